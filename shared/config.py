@@ -1,0 +1,277 @@
+"""Node configuration: a TOML file decoded into msgspec Structs, with `REPLICATOR_<SECTION>_<KEY>` overrides.
+
+Unknown keys are errors. Every error names the file, the key and what is wrong; the CLI turns a `ConfigError` into
+exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+DATABASE_PATTERN_RE = re.compile(r"^(\*|[A-Za-z0-9_-]{1,64})$")
+ENV_PREFIX = "REPLICATOR_"
+
+
+class ConfigError(Exception):
+    """A configuration problem; the message names the file, the key and what is wrong."""
+
+
+class NodeSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: str
+    url: str
+    data_dir: str = ""
+    workers: int = 0  # 0: the CPU count
+
+
+class ListenSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    host: str = "127.0.0.1"
+    port: int = 9925
+    admin_host: str = "127.0.0.1"
+    admin_port: int = 9926
+
+
+class TlsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    ca: str = "certs/ca.pem"
+    cert: str = ""
+    key: str = ""
+
+
+class DataSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    token: str = ""
+
+
+class ReplicationSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    databases: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    reconnect_jitter: Literal["full", "equal"] = "full"
+    stagger: float = 0.05
+    shutdown_timeout: float = 10.0
+    # Thresholds that tests shorten; the defaults are the seed's values.
+    reconcile_interval: float = 5.0
+    wedge_threshold: float = 30.0
+    stall_threshold: float = 900.0
+    heartbeat_timeout: float = 10.0
+    # A node with mesh = true advertises itself as replicating with every registered node, and dials every
+    # registered node itself; without it only [[peers]] routes are dialled.
+    mesh: bool = False
+    batch_size: int = 500
+    max_frame_bytes: int = 16 * 1024 * 1024
+    # Sender flow control: batches sent and not yet acknowledged.
+    window: int = 8
+    audit_retention: float = 7 * 24 * 3600.0
+
+
+class PeerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: str
+    url: str
+    databases: list[str] = msgspec.field(default_factory=lambda: ["*"])
+
+
+class LogSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["json", "text"] = "json"
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    node: NodeSection
+    listen: ListenSection = msgspec.field(default_factory=ListenSection)
+    tls: TlsSection = msgspec.field(default_factory=TlsSection)
+    data: DataSection = msgspec.field(default_factory=DataSection)
+    replication: ReplicationSection = msgspec.field(default_factory=ReplicationSection)
+    peers: list[PeerSection] = msgspec.field(default_factory=list)
+    log: LogSection = msgspec.field(default_factory=LogSection)
+    # Where the file was read from; relative paths in it are resolved against its folder.
+    source: str = ""
+
+    @property
+    def worker_count(self) -> int:
+        return self.node.workers or (os.cpu_count() or 1)
+
+
+_SECTIONS: dict[str, type[msgspec.Struct]] = {
+    "node": NodeSection,
+    "listen": ListenSection,
+    "tls": TlsSection,
+    "data": DataSection,
+    "replication": ReplicationSection,
+    "log": LogSection,
+}
+
+
+def load(path: str | os.PathLike[str], env: Mapping[str, str] | None = None) -> Config:
+    """Read, override from the environment, decode and check a config file."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    return from_mapping(raw, str(path), os.environ if env is None else env)
+
+
+def from_mapping(raw: dict[str, Any], source: str, env: Mapping[str, str] | None = None) -> Config:
+    raw = dict(raw)
+    if "source" in raw:
+        raise ConfigError(f"{source}: unknown key 'source'")
+    _apply_env(raw, source, env or {})
+    try:
+        config = msgspec.convert(raw, Config, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {_describe(exc)}") from None
+    config.source = str(Path(source).resolve()) if source else ""
+    _check(config, source)
+    return config
+
+
+def _apply_env(raw: dict[str, Any], source: str, env: Mapping[str, str]) -> None:
+    for var, text in env.items():
+        if not var.startswith(ENV_PREFIX):
+            continue
+        rest = var[len(ENV_PREFIX) :].lower()
+        section_name = next((s for s in _SECTIONS if rest.startswith(s + "_")), None)
+        if section_name is None:
+            continue
+        key = rest[len(section_name) + 1 :]
+        fields = {f.name: f.type for f in msgspec.structs.fields(_SECTIONS[section_name])}
+        if key not in fields:
+            raise ConfigError(f"{var}: unknown key '{section_name}.{key}'")
+        section = raw.setdefault(section_name, {})
+        if not isinstance(section, dict):
+            raise ConfigError(f"{source}: key '{section_name}': expected a table")
+        section[key] = _parse_env_value(var, text, fields[key])
+
+
+def _parse_env_value(var: str, text: str, annotation: Any) -> Any:
+    try:
+        if annotation is str or getattr(annotation, "__origin__", None) is Literal:
+            return text
+        if annotation is bool:
+            lowered = text.strip().lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError("expected true or false")
+        if annotation is int:
+            return int(text)
+        if annotation is float:
+            return float(text)
+        # list[str]: a JSON array, or names separated by commas
+        stripped = text.strip()
+        if stripped.startswith("["):
+            return json.loads(stripped)
+        return [part.strip() for part in stripped.split(",") if part.strip()]
+    except ValueError as exc:
+        raise ConfigError(f"{var}: cannot use {text!r}: {exc}") from None
+
+
+def _describe(exc: msgspec.ValidationError) -> str:
+    message = str(exc)
+    match = re.match(r"(.*?)(?: - at `\$(.*)`)?$", message, re.S)
+    assert match is not None
+    what, where = match.group(1), match.group(2) or ""
+    key = _key_from_path(where)
+    unknown = re.match(r"Object contains unknown field `(.+)`", what)
+    if unknown:
+        full = f"{key}.{unknown.group(1)}" if key else unknown.group(1)
+        return f"unknown key '{full}'"
+    missing = re.match(r"Object missing required field `(.+)`", what)
+    if missing:
+        full = f"{key}.{missing.group(1)}" if key else missing.group(1)
+        return f"key '{full}' is required"
+    return f"key '{key}': {what[0].lower()}{what[1:]}" if key else what
+
+
+def _key_from_path(where: str) -> str:
+    # `$.replication.stagger` -> replication.stagger ; `$.peers[1].url` -> peers[1].url
+    return where.lstrip(".")
+
+
+def _check(config: Config, source: str) -> None:
+    def fail(key: str, what: str) -> None:
+        raise ConfigError(f"{source}: key '{key}': {what}")
+
+    node = config.node
+    if not NAME_RE.match(node.name):
+        fail("node.name", f"{node.name!r} is not a valid node name (letters, digits, '_' and '-', 1 to 64)")
+    _check_url(node.url, "node.url", fail)
+    if node.workers < 0 or node.workers > 256:
+        fail("node.workers", f"expected 0 (the CPU count) to 256, got {node.workers}")
+    for key in ("port", "admin_port"):
+        value = getattr(config.listen, key)
+        if not 1 <= value <= 65535:
+            fail(f"listen.{key}", f"expected a port in 1..65535, got {value}")
+    if config.listen.port == config.listen.admin_port and config.listen.host == config.listen.admin_host:
+        fail("listen.admin_port", "must differ from listen.port")
+    rep = config.replication
+    for key in ("stagger", "reconcile_interval", "wedge_threshold", "stall_threshold", "heartbeat_timeout"):
+        if getattr(rep, key) < 0 or (key != "stagger" and getattr(rep, key) == 0):
+            fail(f"replication.{key}", f"must be positive, got {getattr(rep, key)}")
+    if rep.shutdown_timeout <= 0:
+        fail("replication.shutdown_timeout", f"must be positive, got {rep.shutdown_timeout}")
+    if rep.batch_size < 1 or rep.window < 1:
+        fail("replication.batch_size" if rep.batch_size < 1 else "replication.window", "must be at least 1")
+    if rep.max_frame_bytes < 64 * 1024:
+        fail("replication.max_frame_bytes", "must be at least 65536")
+    for pattern in rep.databases:
+        if not DATABASE_PATTERN_RE.match(pattern):
+            fail("replication.databases", f"{pattern!r} is neither '*' nor a database name")
+    seen: set[str] = set()
+    for index, peer in enumerate(config.peers):
+        if not NAME_RE.match(peer.name):
+            fail(f"peers[{index}].name", f"{peer.name!r} is not a valid node name")
+        if peer.name == node.name:
+            fail(f"peers[{index}].name", "a node cannot peer with itself")
+        if peer.name in seen:
+            fail(f"peers[{index}].name", f"peer {peer.name!r} is listed twice")
+        seen.add(peer.name)
+        _check_url(peer.url, f"peers[{index}].url", fail)
+        for pattern in peer.databases:
+            if not DATABASE_PATTERN_RE.match(pattern):
+                fail(f"peers[{index}].databases", f"{pattern!r} is neither '*' nor a database name")
+
+
+def _check_url(url: str, key: str, fail: Any) -> None:
+    from shared.keys import normalize_url
+
+    if not url.startswith(("wss://", "ws://")):
+        fail(key, f"expected a wss:// URL, got {url!r}")
+    try:
+        normalize_url(url)
+    except ValueError as exc:
+        fail(key, str(exc))
+
+
+def resolve_path(config: Config, value: str) -> Path:
+    """A path from the config file, relative to the file's folder."""
+    path = Path(value).expanduser()
+    if path.is_absolute() or not config.source:
+        return path
+    return Path(config.source).parent / path
+
+
+def data_dir(config: Config) -> Path:
+    return resolve_path(config, config.node.data_dir or f"data/{config.node.name}")
+
+
+def database_matches(patterns: list[str], database: str) -> bool:
+    return "*" in patterns or database in patterns
+
+
+def encode(config: Config) -> bytes:
+    return msgspec.msgpack.encode(config)
+
+
+def decode(data: bytes) -> Config:
+    return msgspec.msgpack.decode(data, type=Config)

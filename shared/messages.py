@@ -1,0 +1,181 @@
+"""Messages between the coordinator and its workers, over one duplex pipe per worker.
+
+Frame layout on the pipe (both directions):
+
+    +----------------+--------------------------------------+
+    | length: u32 BE | msgpack tagged struct (length bytes) |
+    +----------------+--------------------------------------+
+
+A frame longer than MAX_PIPE_FRAME is a protocol violation and ends the pipe. One union per direction, one decoder
+each; receivers dispatch with `match`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import msgspec
+
+MAX_PIPE_FRAME = 8 * 1024 * 1024
+_HEADER = struct.Struct(">I")
+
+
+class PipeClosed(Exception):
+    """The other end closed the pipe."""
+
+
+class PipeProtocolError(Exception):
+    """The other end sent a frame that is too large or does not decode."""
+
+
+# -- coordinator -> worker -------------------------------------------------------------------------------------
+
+
+class Subscribe(msgspec.Struct, tag="subscribe", kw_only=True):
+    key: str  # connection_key(url)
+    peer: str  # the peer's node name
+    url: str  # the URL to dial
+    database: str
+    exclude: list[str] = []  # origins the sender should skip
+    leader: bool = False
+    # Self-catchup rider: ask this peer once for records this node originated after version `catchup_after`.
+    catchup_after: int | None = None
+    dispatch: int = 0  # the coordinator's dispatch number, echoed in SubscribeAccepted
+
+
+class Unsubscribe(msgspec.Struct, tag="unsubscribe", kw_only=True):
+    key: str
+    database: str
+
+
+class ForceReconnect(msgspec.Struct, tag="force_reconnect", kw_only=True):
+    key: str
+    database: str
+    # When set, only the session with this id is torn down; a newer session is left alone.
+    session: int | None = None
+    reason: str = ""
+
+
+class Reconfigure(msgspec.Struct, tag="reconfigure", kw_only=True):
+    config: bytes  # shared.config.encode(Config)
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", kw_only=True):
+    deadline: float  # seconds the worker has to drain
+
+
+ToWorker = Subscribe | Unsubscribe | ForceReconnect | Reconfigure | Shutdown
+
+
+# -- worker -> coordinator -------------------------------------------------------------------------------------
+
+
+class Ready(msgspec.Struct, tag="ready", kw_only=True):
+    worker: int
+    pid: int
+
+
+class BootFailed(msgspec.Struct, tag="boot_failed", kw_only=True):
+    worker: int
+    reason: str
+
+
+class CounterDelta(msgspec.Struct, array_like=True):
+    name: str
+    labels: list[str]  # label values, in the metric's label order
+    value: float
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat", kw_only=True):
+    worker: int
+    rss_bytes: int
+    counters: list[CounterDelta] = []  # increments since the previous heartbeat
+
+
+class SubscribeAccepted(msgspec.Struct, tag="subscribe_accepted", kw_only=True):
+    key: str
+    database: str
+    dispatch: int
+    catchup: bool  # the self-catchup rider was taken over by the worker
+
+
+class Connected(msgspec.Struct, tag="connected", kw_only=True):
+    key: str
+    database: str
+    worker: int
+    session: int
+    peer_head_seq: int = 0
+
+
+class Disconnected(msgspec.Struct, tag="disconnected", kw_only=True):
+    key: str
+    database: str
+    worker: int
+    session: int
+    error: str = ""
+    reconnect_in: float | None = None  # None: the session will not be retried (unsubscribed)
+    attempts: int = 0
+
+
+class Progress(msgspec.Struct, tag="progress", kw_only=True):
+    key: str
+    database: str
+    worker: int
+    session: int
+    last_received_seq: int
+    peer_head_seq: int
+    lag_seconds: float
+    applied: int  # records applied over the session's life
+    copies: int  # bulk copies this node has taken from that peer for that database, ever
+    copying: bool = False
+
+
+class DatabaseOpened(msgspec.Struct, tag="database_opened", kw_only=True):
+    name: str
+
+
+ToCoordinator = (
+    Ready | BootFailed | Heartbeat | SubscribeAccepted | Connected | Disconnected | Progress | DatabaseOpened
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_to_worker = msgspec.msgpack.Decoder(ToWorker)
+_to_coordinator = msgspec.msgpack.Decoder(ToCoordinator)
+
+
+def frame(message: msgspec.Struct) -> bytes:
+    body = _encoder.encode(message)
+    if len(body) > MAX_PIPE_FRAME:
+        raise PipeProtocolError(f"message of {len(body)} bytes exceeds the pipe frame limit")
+    return _HEADER.pack(len(body)) + body
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> bytes:
+    try:
+        header = await reader.readexactly(_HEADER.size)
+    except asyncio.IncompleteReadError:
+        raise PipeClosed() from None
+    (length,) = _HEADER.unpack(header)
+    if length > MAX_PIPE_FRAME:
+        raise PipeProtocolError(f"frame of {length} bytes exceeds the pipe frame limit")
+    try:
+        return await reader.readexactly(length)
+    except asyncio.IncompleteReadError:
+        raise PipeClosed() from None
+
+
+async def read_to_worker(reader: asyncio.StreamReader) -> ToWorker:
+    body = await _read_frame(reader)
+    try:
+        return _to_worker.decode(body)
+    except msgspec.DecodeError as exc:
+        raise PipeProtocolError(str(exc)) from None
+
+
+async def read_to_coordinator(reader: asyncio.StreamReader) -> ToCoordinator:
+    body = await _read_frame(reader)
+    try:
+        return _to_coordinator.decode(body)
+    except msgspec.DecodeError as exc:
+        raise PipeProtocolError(str(exc)) from None
