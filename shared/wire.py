@@ -88,6 +88,7 @@ class CopyBatch(msgspec.Struct, tag="copy_batch", kw_only=True):
 
 class CopyComplete(msgspec.Struct, tag="copy_complete", kw_only=True):
     snapshot_seq: int
+    snapshot_version: int = 0  # the version of the entry at snapshot_seq, for the resume check
 
 
 class Batch(msgspec.Struct, tag="batch", kw_only=True):
@@ -139,3 +140,39 @@ def decode(data: bytes) -> Message:
 
 def _raise(reason: str, unknown: bool) -> Message:
     raise MalformedFrame(reason, unknown)
+
+
+class SessionError(Exception):
+    """Base of why a replication session ended; `code` is the WebSocket close code to send or that was received."""
+
+    code = CLOSE_INTERNAL
+
+    def __init__(self, reason: str, code: int | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        if code is not None:
+            self.code = code
+
+
+class PeerClosed(SessionError):
+    """The peer closed the session or the connection broke."""
+
+
+class ProtocolViolation(SessionError):
+    """The peer sent something the protocol does not allow here (rejected input)."""
+
+    code = CLOSE_MALFORMED
+
+
+class Refused(SessionError):
+    """The peer refused us, or we refuse the peer (authentication, policy)."""
+
+    code = CLOSE_POLICY
+
+
+def close_reason(text: str) -> str:
+    """A WebSocket close reason must fit in 123 bytes of UTF-8."""
+    data = text.encode()
+    if len(data) <= 120:
+        return text
+    return data[:117].decode(errors="ignore") + "..."

@@ -1,0 +1,206 @@
+"""Admin HTTP, served by the coordinator (plain HTTP, loopback by default).
+
+GET /metrics /healthz /readyz /status /nodes /digest/{database}
+PUT /nodes/{name} {"url", "databases", "replicates"[, "leader", "revoked"]}   DELETE /nodes/{name}
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from aiohttp import web
+
+from coordinator.metrics import CONTENT_TYPE
+from coordinator.registry import SYSTEM
+from shared.config import DATABASE_PATTERN_RE, NAME_RE
+from shared.keys import normalize_url
+from shared.store import BadName, NodeRow, UnknownDatabase, delete_node, read_nodes, write_node
+
+if TYPE_CHECKING:
+    from coordinator.node import Node
+
+_json = msgspec.json.Encoder()
+
+
+def _reply(payload: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=_json.encode(payload), content_type="application/json")
+
+
+def _error(status: int, message: str) -> web.Response:
+    return _reply({"error": message}, status)
+
+
+class NodeUpdate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    url: str
+    databases: list[str] = msgspec.field(default_factory=lambda: ["*"])
+    replicates: bool = True
+    leader: bool | None = None
+    revoked: list[str] | None = None
+
+
+class AdminServer:
+    def __init__(self, node: Node) -> None:
+        self._node = node
+        self._runner: web.AppRunner | None = None
+        app = web.Application()
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/readyz", self.readyz)
+        app.router.add_get("/status", self.status)
+        app.router.add_get("/nodes", self.nodes)
+        app.router.add_put("/nodes/{name}", self.put_node)
+        app.router.add_delete("/nodes/{name}", self.delete_node)
+        app.router.add_get("/digest/{database}", self.digest)
+        self._app = app
+
+    async def start(self) -> None:
+        listen = self._node.config.listen
+        self._runner = web.AppRunner(self._app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, listen.admin_host, listen.admin_port, reuse_address=True)
+        await site.start()
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self._node.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return _reply({"status": "ok", "node": self._node.name})
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        supervisor = self._node.supervisor
+        waiting = [
+            slot for slot, w in sorted(supervisor.workers.items()) if not (w.alive and w.ready) and not w.retiring
+        ]
+        if supervisor.all_ready():
+            return _reply({"ready": True, "workers": len(supervisor.live())})
+        return _reply({"ready": False, "waiting_for_workers": waiting, "boot_error": self._node.boot_error}, 503)
+
+    async def status(self, request: web.Request) -> web.Response:
+        return _reply(status_document(self._node))
+
+    async def nodes(self, request: web.Request) -> web.Response:
+        rows = read_nodes(self._node.system())
+        static = {peer.name: peer.url for peer in self._node.config.peers}
+        listing = []
+        for name in sorted(set(rows) | set(static)):
+            row = rows.get(name)
+            item = msgspec.to_builtins(row) if row is not None else {"name": name, "url": static[name]}
+            item["static"] = name in static
+            item["self"] = name == self._node.name
+            listing.append(item)
+        return _reply(listing)
+
+    async def put_node(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if not NAME_RE.match(name):
+            return _error(400, f"bad node name {name[:80]!r}: use 1 to 64 of A-Z a-z 0-9 _ -")
+        try:
+            update = msgspec.json.decode(await request.read(), type=NodeUpdate)
+        except msgspec.ValidationError as exc:
+            return _error(400, f"bad node: {exc}")
+        except msgspec.DecodeError as exc:
+            return _error(400, f"body is not valid JSON: {exc}")
+        try:
+            url = normalize_url(update.url)
+        except ValueError as exc:
+            return _error(400, f"bad url: {exc}")
+        if not update.url.startswith(("wss://", "ws://")):
+            return _error(400, f"bad url: expected wss://, got {update.url!r}")
+        for pattern in update.databases:
+            if not DATABASE_PATTERN_RE.match(pattern):
+                return _error(400, f"bad databases: {pattern!r} is neither '*' nor a database name")
+        system = self._node.system()
+        current = read_nodes(system).get(name)
+        row = NodeRow(
+            name=name,
+            url=url,
+            databases=update.databases,
+            replicates=update.replicates,
+            leader=update.leader if update.leader is not None else (current.leader if current else False),
+            revoked=update.revoked if update.revoked is not None else (list(current.revoked) if current else []),
+            holds=list(current.holds) if current else [],
+        )
+        version = write_node(system, row)
+        self._node.poke_registry()
+        return _reply({"name": name, "version": version})
+
+    async def delete_node(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if not NAME_RE.match(name):
+            return _error(400, f"bad node name {name[:80]!r}")
+        if name == self._node.name:
+            return _error(409, "a node cannot delete its own registry row")
+        if delete_node(self._node.system(), name) is None:
+            return _error(404, f"no node {name!r} in the registry")
+        self._node.poke_registry()
+        return _reply({"name": name, "deleted": True})
+
+    async def digest(self, request: web.Request) -> web.Response:
+        name = request.match_info["database"]
+        assert self._node.store is not None
+        try:
+            database = self._node.store.database(name)
+        except BadName as exc:
+            return _error(400, str(exc))
+        except UnknownDatabase as exc:
+            return _error(404, str(exc))
+        return _reply({"database": name, "tables": database.digest()})
+
+
+def status_document(node: Node) -> dict[str, Any]:
+    now = node.loop.time()
+    workers = [
+        {
+            "id": slot,
+            "pid": handle.pid if handle.alive else None,
+            "ready": handle.alive and handle.ready,
+            "rss_bytes": handle.rss_bytes if handle.alive else 0,
+            "restarts": handle.restarts,
+            "exit_code": handle.exit_code,
+            "boot_error": handle.boot_error or None,
+        }
+        for slot, handle in sorted(node.supervisor.workers.items())
+    ]
+    connections = []
+    for entry in sorted(node.map, key=lambda e: e.peer):
+        databases = []
+        for database, pair in sorted(entry.pairs.items()):
+            databases.append(
+                {
+                    "database": database,
+                    "connected": pair.connected,
+                    "worker": pair.worker if pair.worker is not None else entry.worker,
+                    "session": pair.session,
+                    "setup_pending": node.scheduler.is_armed(entry.url, database),
+                    "reconnect_attempts": pair.reconnect_attempts,
+                    "last_received_seq": pair.last_received_seq,
+                    "peer_head_seq": pair.peer_head_seq,
+                    "lag_seconds": pair.lag_seconds,
+                    "last_error": pair.last_error or None,
+                    "applied": pair.applied,
+                    "copies": pair.copies,
+                    "copying": pair.copying,
+                    "connected_for_s": round(now - pair.connected_at, 3)
+                    if pair.connected and pair.connected_at is not None
+                    else None,
+                }
+            )
+        connections.append({"peer": entry.peer, "url": entry.url, "worker": entry.worker, "databases": databases})
+    return {
+        "node": node.name,
+        "url": node.config.node.url,
+        "ready": node.supervisor.all_ready(),
+        "holds": sorted(node.holds),
+        "setup_pending": node.scheduler.pending,
+        "workers": workers,
+        "connections": connections,
+    }
+
+
+__all__ = ["SYSTEM", "AdminServer", "status_document"]

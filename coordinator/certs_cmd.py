@@ -1,0 +1,342 @@
+"""`replicator certs ca|node` and `replicator init`: plain functions returning the exit code.
+
+Exit codes follow the CLI contract: 0 done, 1 failed (including "refusing to overwrite"), 2 bad arguments,
+with the message naming the argument. What was written is printed on stdout; errors go to stderr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from shared.config import NAME_RE, ConfigError, from_mapping, load, resolve_path
+from shared.keys import normalize_url
+from shared.tls import TlsConfigError, ca_paths, create_ca, host_san, issue_node_cert, server_context
+
+CONFIG_MODE = 0o600  # the config holds the data API token once one is set
+_MAX_WORKERS = 256
+
+
+class _UsageError(Exception):
+    def __init__(self, argument: str, message: str) -> None:
+        super().__init__(f"{argument}: {message}")
+
+
+@dataclass(frozen=True)
+class _Peer:
+    name: str
+    url: str
+
+
+def cmd_certs_ca(out: str) -> int:
+    """Create the cluster CA in `out`."""
+    try:
+        cert_path, key_path = create_ca(out)
+    except FileExistsError as exc:
+        return _fail("certs ca", str(exc), 1)
+    except OSError as exc:
+        return _fail("certs ca", f"--out: {_os_error(exc)}", 1)
+    print(f"wrote CA certificate {cert_path}")
+    print(f"wrote CA key {key_path} (keep it private: it signs node certificates)")
+    return 0
+
+
+def cmd_certs_node(ca: str, name: str, hosts: list[str], out: str) -> int:
+    """Issue the certificate of node `name` for `hosts`, signed by the CA in `ca`, into `out`."""
+    try:
+        _check_name("--name", name)
+        for host in hosts:
+            _check_host("--host", host)
+    except _UsageError as exc:
+        return _fail("certs node", str(exc), 2)
+    try:
+        cert_path, key_path = issue_node_cert(ca, name, hosts, out)
+    except TlsConfigError as exc:
+        return _fail("certs node", f"--ca: {exc}", 2)
+    except FileExistsError as exc:
+        return _fail("certs node", str(exc), 1)
+    except ValueError as exc:
+        return _fail("certs node", str(exc), 2)
+    except OSError as exc:
+        return _fail("certs node", f"--out: {_os_error(exc)}", 1)
+    print(f"wrote certificate {cert_path} for {name} (hosts: {', '.join(hosts) or 'none'})")
+    print(f"wrote key {key_path}")
+    return 0
+
+
+def cmd_init(
+    name: str,
+    url: str,
+    port: int,
+    admin_port: int,
+    data: str,
+    ca: str,
+    config: str,
+    peers: list[str],
+    host: str = "127.0.0.1",
+    workers: int | None = None,
+) -> int:
+    """Write a ready-to-run config at `config` and the node's certificate beside it, issued by the CA `ca`.
+
+    Paths in the file are relative to its folder, so the folder can be moved with what it references.
+    """
+    try:
+        port = _check_port("--port", port)
+        admin_port = _check_port("--admin-port", admin_port)
+        if port == admin_port:
+            raise _UsageError("--admin-port", f"must differ from --port ({port})")
+        _check_name("--name", name)
+        url_host = _check_url("--url", url)
+        _check_host("--host", host)
+        if workers is not None and (isinstance(workers, bool) or not 0 <= workers <= _MAX_WORKERS):
+            raise _UsageError("--workers", f"expected 0 (the CPU count) to {_MAX_WORKERS}, got {workers!r}")
+        if not data.strip():
+            raise _UsageError("--data", "must not be empty")
+        if not config.strip():
+            raise _UsageError("--config", "must not be empty")
+        peer_list = _parse_peers(peers, name)
+        ca_cert, ca_key = ca_paths(ca)
+        for path in (ca_cert, ca_key):
+            if not path.is_file():
+                raise _UsageError("--ca", f"{path}: no such file (create the CA with `replicator certs ca`)")
+    except _UsageError as exc:
+        return _fail("init", str(exc), 2)
+
+    config_path = Path(config).expanduser().absolute()
+    # The loader resolves the file's own path, so relative paths are computed from the resolved folder too.
+    folder = config_path.parent.resolve()
+    if config_path.exists():
+        return _fail("init", f"--config: {config_path} already exists; refusing to overwrite it", 1)
+    if folder.exists() and not folder.is_dir():
+        return _fail("init", f"--config: {folder} is not a directory", 2)
+    cert_path, key_path = folder / f"{name}.pem", folder / f"{name}.key"
+    for path in (cert_path, key_path):
+        if path.exists():
+            return _fail("init", f"{path} already exists; refusing to overwrite it (remove it first)", 1)
+
+    text = _render(
+        name=name,
+        url=url,
+        data_dir=_relative(Path(data).expanduser(), folder),
+        workers=workers or 0,
+        host=host,
+        port=port,
+        admin_port=admin_port,
+        ca=_relative(ca_cert, folder),
+        cert=cert_path.name,
+        key=key_path.name,
+        peers=peer_list,
+    )
+    # Validate with the loader before writing anything, so a rejected config leaves no files behind.
+    try:
+        from_mapping(tomllib.loads(text), str(config_path), env={})
+    except ConfigError as exc:
+        return _fail("init", str(exc), 2)
+
+    cert_hosts = [url_host, *([] if _is_unspecified(host) else [host])]
+    try:
+        issue_node_cert(ca, name, cert_hosts, folder)
+    except TlsConfigError as exc:
+        return _fail("init", f"--ca: {exc}", 2)
+    except FileExistsError as exc:
+        return _fail("init", str(exc), 1)
+    except ValueError as exc:
+        return _fail("init", f"--name: {exc}", 2)
+    except OSError as exc:
+        return _fail("init", f"--config: cannot write the certificate: {_os_error(exc)}", 1)
+    print(f"wrote certificate {cert_path} (hosts: {', '.join(dict.fromkeys([name, *cert_hosts]))})")
+    print(f"wrote key {key_path}")
+
+    try:
+        _write_new(config_path, text.encode())
+    except OSError as exc:
+        _remove(cert_path, key_path)
+        detail = "already exists" if isinstance(exc, FileExistsError) else _os_error(exc)
+        return _fail("init", f"--config: cannot write {config_path}: {detail}", 1)
+
+    # Self-check from disk, without REPLICATOR_* overrides: the file itself must be runnable.
+    try:
+        loaded = load(config_path, env={})
+        server_context(
+            resolve_path(loaded, loaded.tls.ca),
+            resolve_path(loaded, loaded.tls.cert),
+            resolve_path(loaded, loaded.tls.key),
+        )
+    except (ConfigError, TlsConfigError) as exc:
+        _remove(config_path, cert_path, key_path)
+        return _fail("init", f"the written config does not load back: {exc}", 1)
+    print(f"wrote config {config_path}")
+    print(f"start the node with: replicator run --config {config_path}")
+    return 0
+
+
+def _parse_peers(specs: list[str], own_name: str) -> list[_Peer]:
+    peers: list[_Peer] = []
+    for spec in specs:
+        peer_name, sep, peer_url = spec.partition("=")
+        peer_name, peer_url = peer_name.strip(), peer_url.strip()
+        if not sep or not peer_name or not peer_url:
+            raise _UsageError("--peer", f"{spec!r} is not NAME=URL (e.g. b=wss://127.0.0.1:9935)")
+        _check_name("--peer", peer_name)
+        if peer_name == own_name:
+            raise _UsageError("--peer", f"{spec!r}: a node cannot peer with itself")
+        if any(peer.name == peer_name for peer in peers):
+            raise _UsageError("--peer", f"{spec!r}: peer {peer_name!r} is given twice")
+        _check_url("--peer", peer_url)
+        peers.append(_Peer(peer_name, peer_url))
+    return peers
+
+
+def _check_name(argument: str, name: str) -> None:
+    if not NAME_RE.match(name):
+        raise _UsageError(argument, f"{name!r} is not a valid node name (letters, digits, '_' and '-', 1 to 64)")
+
+
+def _check_url(argument: str, url: str) -> str:
+    """Check a node URL and return its host."""
+    if not url.startswith(("wss://", "ws://")):
+        raise _UsageError(argument, f"expected a wss:// URL, got {url!r}")
+    try:
+        normalize_url(url)
+    except ValueError as exc:
+        raise _UsageError(argument, str(exc)) from None
+    host = urlsplit(url.strip()).hostname or ""
+    _check_host(argument, host)
+    return host
+
+
+def _check_host(argument: str, host: str) -> None:
+    try:
+        host_san(host)
+    except ValueError as exc:
+        raise _UsageError(argument, str(exc)) from None
+
+
+def _check_port(argument: str, value: object) -> int:
+    try:
+        port = int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        raise _UsageError(argument, f"expected a port number, got {value!r}") from None
+    if isinstance(value, bool) or not 1 <= port <= 65535:
+        raise _UsageError(argument, f"expected a port in 1..65535, got {value!r}")
+    return port
+
+
+def _is_unspecified(host: str) -> bool:
+    # A wildcard listen address names no host a peer could dial, so it has no place in the SAN.
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return False
+
+
+def _relative(target: Path, folder: Path) -> str:
+    absolute = target.expanduser().resolve()
+    try:
+        return os.path.relpath(absolute, folder)
+    except ValueError:  # another drive on Windows
+        return str(absolute)
+
+
+def _render(
+    *,
+    name: str,
+    url: str,
+    data_dir: str,
+    workers: int,
+    host: str,
+    port: int,
+    admin_port: int,
+    ca: str,
+    cert: str,
+    key: str,
+    peers: list[_Peer],
+) -> str:
+    lines = [
+        "# Written by `replicator init`. Relative paths are resolved against this file's folder.",
+        "",
+        "[node]",
+        f"name = {_toml_str(name)}",
+        f"url = {_toml_str(url)}",
+        f"data_dir = {_toml_str(data_dir)}",
+        _commented(f"workers = {workers}", "0: the CPU count" if workers == 0 else ""),
+        "",
+        "[listen]",
+        f"host = {_toml_str(host)}",
+        f"port = {port}",
+        _commented('admin_host = "127.0.0.1"', "plain HTTP: keep it off public interfaces"),
+        f"admin_port = {admin_port}",
+        "",
+        "[tls]",
+        f"ca = {_toml_str(ca)}",
+        f"cert = {_toml_str(cert)}",
+        f"key = {_toml_str(key)}",
+        "",
+        "[data]",
+        _commented('token = ""', "bearer token for the data API; empty means no auth"),
+        "",
+        "[replication]",
+        'databases = ["*"]',
+    ]
+    for peer in peers:
+        lines += [
+            "",
+            "[[peers]]",
+            f"name = {_toml_str(peer.name)}",
+            f"url = {_toml_str(peer.url)}",
+            'databases = ["*"]',
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _commented(line: str, comment: str) -> str:
+    return f"{line:<33} # {comment}" if comment else line
+
+
+def _toml_str(value: str) -> str:
+    escaped = []
+    for char in value:
+        if char == "\\":
+            escaped.append("\\\\")
+        elif char == '"':
+            escaped.append('\\"')
+        elif ord(char) < 0x20 or ord(char) == 0x7F:
+            escaped.append(f"\\u{ord(char):04x}")
+        else:
+            escaped.append(char)
+    return '"' + "".join(escaped) + '"'
+
+
+def _write_new(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # O_EXCL: a config that appeared since the existence check is not overwritten.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, CONFIG_MODE)
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+
+
+def _remove(*paths: Path) -> None:
+    for path in paths:
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+def _os_error(exc: OSError) -> str:
+    if exc.filename is not None and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}"
+    return str(exc)
+
+
+def _fail(command: str, message: str, code: int) -> int:
+    print(f"replicator {command}: {message}", file=sys.stderr)
+    return code

@@ -1,0 +1,148 @@
+"""The `replicator` command line.
+
+Exit codes: 0 success; 1 failure; 2 usage or configuration error (the message names the file, the key and what is
+wrong); 3 boot error (port in use, unreadable certificate, data directory not writable).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Coroutine
+from typing import Any
+
+from shared.config import Config, ConfigError, load
+from shared.logs import log
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="replicator", description="A replication node: identical databases across a cluster.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    run = commands.add_parser("run", help="run one node in the foreground until SIGTERM or SIGINT")
+    run.add_argument("--config", required=True, help="the node's TOML config file")
+    run.add_argument("--workers", type=int, help="worker processes (overrides node.workers)")
+    run.add_argument("--log-format", choices=["json", "text"], help="json lines (default) or text for a terminal")
+
+    demo = commands.add_parser("demo", help="boot a local TLS cluster on loopback, replicate, report, stop")
+    demo.add_argument("--nodes", type=int, default=3)
+    demo.add_argument("--workers", type=int, default=2)
+    demo.add_argument("--records", type=int, default=2000)
+    demo.add_argument("--dir", help="keep the cluster's files here instead of a temporary folder")
+
+    certs = commands.add_parser("certs", help="create the cluster CA or a node certificate")
+    certs_commands = certs.add_subparsers(dest="certs_command", required=True, parser_class=_Parser)
+    ca = certs_commands.add_parser("ca", help="create a cluster CA: DIR/ca.pem and DIR/ca.key")
+    ca.add_argument("--out", required=True)
+    node_cert = certs_commands.add_parser("node", help="issue a node certificate signed by the CA")
+    node_cert.add_argument("--ca", required=True, help="the CA folder")
+    node_cert.add_argument("--name", required=True)
+    node_cert.add_argument("--host", action="append", default=[], help="a host name or IP for the SAN (repeatable)")
+    node_cert.add_argument("--out", required=True)
+
+    init = commands.add_parser("init", help="write a ready-to-run config file and the node's certificate")
+    init.add_argument("--name", required=True)
+    init.add_argument("--url", required=True)
+    init.add_argument("--port", type=int, required=True)
+    init.add_argument("--admin-port", type=int, required=True)
+    init.add_argument("--data", required=True)
+    init.add_argument("--ca", required=True)
+    init.add_argument("--config", required=True)
+    init.add_argument("--peer", action="append", default=[], metavar="NAME=URL")
+    init.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    init.add_argument("--workers", type=int)
+
+    status = commands.add_parser("status", help="the node's cluster status as a table")
+    status.add_argument("--admin", default="http://127.0.0.1:9926", help="the node's admin URL")
+    status.add_argument("--json", action="store_true", help="print the JSON document instead of a table")
+
+    verify = commands.add_parser("verify", help="compare every database's digest across nodes")
+    verify.add_argument("--admin", action="append", required=True, help="an admin URL (repeat for each node)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    match args.command:
+        case "run":
+            return _run(args)
+        case "demo":
+            from coordinator.demo import run_demo
+
+            return _asyncio_run(run_demo(args.nodes, args.workers, args.records, args.dir))
+        case "certs":
+            from coordinator import certs_cmd
+
+            if args.certs_command == "ca":
+                return certs_cmd.cmd_certs_ca(args.out)
+            return certs_cmd.cmd_certs_node(args.ca, args.name, args.host, args.out)
+        case "init":
+            from coordinator import certs_cmd
+
+            return certs_cmd.cmd_init(
+                args.name,
+                args.url,
+                args.port,
+                args.admin_port,
+                args.data,
+                args.ca,
+                args.config,
+                args.peer,
+                host=args.host,
+                workers=args.workers,
+            )
+        case "status":
+            from coordinator.inspect import cmd_status
+
+            return _asyncio_run(cmd_status(args.admin, args.json))
+        case "verify":
+            from coordinator.inspect import cmd_verify
+
+            return _asyncio_run(cmd_verify(args.admin))
+    return EXIT_USAGE
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        config = load(args.config)
+    except ConfigError as exc:
+        print(f"replicator: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.workers is not None:
+        if not 1 <= args.workers <= 256:
+            print(f"replicator: --workers: expected 1 to 256, got {args.workers}", file=sys.stderr)
+            return EXIT_USAGE
+        config.node.workers = args.workers
+    if args.log_format:
+        config.log.format = args.log_format
+    log.configure(fmt=config.log.format, level=config.log.level, node=config.node.name, worker="coordinator")
+    return _asyncio_run(_serve(config, args.workers))
+
+
+async def _serve(config: Config, cli_workers: int | None) -> int:
+    from coordinator.node import Node
+
+    node = Node(config, loop=asyncio.get_running_loop(), cli_workers=cli_workers)
+    return await node.run()
+
+
+def _asyncio_run(coro: Coroutine[Any, Any, int]) -> int:
+    try:
+        import uvloop  # type: ignore[import-not-found]
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

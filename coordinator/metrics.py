@@ -1,0 +1,144 @@
+"""Prometheus metrics, served by the coordinator at the admin port's `/metrics` with every worker's series.
+
+The registry lives in the coordinator and workers feed it over their pipes (counter increments in each heartbeat),
+rather than prometheus-client's multiprocess mode. Why: multiprocess mode keys its files by pid, so every
+replaced worker leaves files behind and the series count grows with restarts unless a stable slot identity is
+forced into it, and its gauges need a merge mode per metric. Here a replaced worker only stops sending increments:
+counters never go backwards, and series are bounded by the label values (peers, databases, worker slots) that
+exist. Gauges describing the current state (connected, lag, pending, rss) are computed at scrape time from the
+coordinator's own state, so a pair that is gone has no series left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from shared.logs import log
+from shared.messages import CounterDelta
+
+if TYPE_CHECKING:
+    from coordinator.node import Node
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class Metrics:
+    def __init__(self, node: Node) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        registry = self.registry
+        # Fed by the workers' increments.
+        self._fed: dict[str, Counter] = {
+            "replicator_reconnect_attempts_total": Counter(
+                "replicator_reconnect_attempts_total",
+                "Outbound reconnects scheduled",
+                ["peer"],
+                registry=registry,
+            ),
+            "replicator_records_applied_total": Counter(
+                "replicator_records_applied_total",
+                "Records from peers that won and were applied",
+                ["database", "peer"],
+                registry=registry,
+            ),
+            "replicator_records_sent_total": Counter(
+                "replicator_records_sent_total",
+                "Records sent to subscribers",
+                ["database", "peer"],
+                registry=registry,
+            ),
+            "replicator_records_written_total": Counter(
+                "replicator_records_written_total",
+                "Records written locally through the data API",
+                ["database"],
+                registry=registry,
+            ),
+            "replicator_log_events_suppressed_total": Counter(
+                "replicator_log_events_suppressed_total",
+                "Repeated identical warnings not written to the log",
+                ["event"],
+                registry=registry,
+            ),
+        }
+        self._unknown_reported: set[str] = set()
+        registry.register(_StateCollector(node))
+        log.on_suppressed = lambda event, n: self.suppressed(event, n)
+
+    def suppressed(self, event: str, count: int) -> None:
+        self._fed["replicator_log_events_suppressed_total"].labels(event).inc(count)
+
+    def apply(self, deltas: list[CounterDelta]) -> None:
+        for delta in deltas:
+            counter = self._fed.get(delta.name)
+            if counter is None:
+                if delta.name not in self._unknown_reported:
+                    self._unknown_reported.add(delta.name)
+                    log.warning("metric_unknown", name=delta.name)
+                continue
+            if delta.value > 0:
+                counter.labels(*delta.labels).inc(delta.value)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _StateCollector(Collector):
+    """Series computed at scrape time from the coordinator's state."""
+
+    def __init__(self, node: Node) -> None:
+        self._node = node
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        node = self._node
+        scheduler = node.scheduler
+        yield _counter(
+            "replicator_setup_requests",
+            "Subscription setup requests (node-update events)",
+            scheduler.requests,
+        )
+        yield _counter("replicator_setup_armed", "Subscription setups newly armed", scheduler.armed)
+        yield _counter(
+            "replicator_setup_dispatched", "Subscription setups dispatched to a worker", scheduler.dispatched
+        )
+        yield _gauge("replicator_setup_pending", "Subscription setups armed and not yet fired", scheduler.pending)
+        yield _counter("replicator_worker_restarts", "Workers respawned after an exit", node.supervisor.respawns)
+        yield _gauge("replicator_workers_ready", "Workers running and ready", len(node.supervisor.live()))
+        yield _counter("replicator_reassignments", "Pairs moved off a dead or missing worker", node.reassignments)
+        redrives = CounterMetricFamily("replicator_redrives", "Recovery re-drives fired", labels=["kind"])
+        for kind in ("wedge", "stall"):
+            redrives.add_metric([kind], node.redrives[kind])
+        yield redrives
+        rss = GaugeMetricFamily("replicator_worker_rss_bytes", "Resident memory of each worker", labels=["worker"])
+        for slot, handle in sorted(node.supervisor.workers.items()):
+            if handle.alive:
+                rss.add_metric([str(slot)], handle.rss_bytes)
+        yield rss
+        connected = GaugeMetricFamily(
+            "replicator_peer_connected", "1 when the pair's session is connected", labels=["peer", "database"]
+        )
+        lag = GaugeMetricFamily(
+            "replicator_replication_lag_seconds",
+            "Age of the newest applied record while behind the peer; 0 when caught up",
+            labels=["database", "peer"],
+        )
+        for entry in node.map:
+            for database, pair in sorted(entry.pairs.items()):
+                connected.add_metric([entry.peer, database], 1.0 if pair.connected else 0.0)
+                lag.add_metric([database, entry.peer], pair.lag_seconds)
+        yield connected
+        yield lag
+
+
+def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, documentation, value=value)
+
+
+def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, documentation, value=value)

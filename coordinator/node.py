@@ -1,0 +1,758 @@
+"""The coordinator: one per node. Decides who is connected to whom, on which worker and when; never touches data.
+
+    boot: data directory, store, certificates, port probe, admin HTTP, workers
+    registry watcher -> on_node_update -> on_database -> setup scheduler -> dispatch (subscribe on a worker)
+    worker reports (connected, disconnected, progress) -> replication map
+    reconcile loop: truth pass, stale workers, wedged pairs, stalled receivers
+    signals: SIGTERM/SIGINT drain and exit; SIGHUP reloads peers, thresholds and the worker count
+
+Exit codes: 0 after a clean shutdown, 3 when the node cannot boot (or a worker cannot).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import random
+import signal
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from coordinator import registry
+from coordinator.metrics import Metrics
+from coordinator.registry import SYSTEM, NodeView
+from coordinator.replication_map import Entry, PairState, ReplicationMap, StallWatch, should_fire_stall_kick
+from coordinator.sd_notify import Notifier
+from coordinator.setup_scheduler import SetupScheduler
+from coordinator.supervisor import Supervisor, WorkerHandle
+from shared import config as config_module
+from shared import messages
+from shared.backoff import Backoff
+from shared.config import Config, ConfigError
+from shared.keys import connection_key, normalize_url
+from shared.logs import log
+from shared.store import Database, NodeRow, Store, read_nodes, write_node
+from shared.tls import TlsConfigError, server_context
+
+EXIT_OK = 0
+EXIT_BOOT_ERROR = 3
+BOOT_TIMEOUT = 60.0
+REGISTRY_POLL = 0.2
+WATCHER_HEALTHY_UPTIME = 10.0
+
+
+class BootError(Exception):
+    """The node cannot start; the message says what to fix."""
+
+
+class Node:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        loop: asyncio.AbstractEventLoop | None = None,
+        rng: Callable[[], float] | None = None,
+        cli_workers: int | None = None,
+    ) -> None:
+        self.config = config
+        # `run --workers N` wins over the file until the file's own node.workers changes.
+        self._cli_workers = cli_workers
+        self._file_workers = config.node.workers
+        self.loop = loop or asyncio.get_event_loop()
+        self.rng = rng or random.Random().random
+        self.map = ReplicationMap()
+        self.metrics = Metrics(self)
+        self.notifier = Notifier.from_environment()
+        self.store: Store | None = None
+        self.supervisor = Supervisor(
+            lambda: config_module.encode(self.config),
+            self._on_worker_message,
+            self._on_worker_exit,
+            self._on_boot_error,
+            loop=self.loop,
+            rng=self.rng,
+        )
+        self.scheduler = self._new_scheduler()
+        self.views: dict[str, NodeView] = {}
+        self.holds: set[str] = set()
+        # Self-catchup riders: database -> own last version, until a worker has accepted the request.
+        self.catchup: dict[str, int] = {}
+        self._catchup_inflight: dict[str, tuple[str, int, int]] = {}
+        self._dispatches = 0
+        self._placements = 0
+        self.reassignments = 0
+        self.redrives = {"wedge": 0, "stall": 0}
+        self.exit_code = EXIT_OK
+        self.boot_error = ""
+        self._stop = asyncio.Event()
+        self._registry_poke = asyncio.Event()
+        self._ready = asyncio.Event()
+        self._closing = False
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._admin: Any = None
+
+    def _new_scheduler(self) -> SetupScheduler:
+        rep = self.config.replication
+        return SetupScheduler(
+            self._dispatch,
+            loop=self.loop,
+            rng=self.rng,
+            floor=0.2,
+            initial=0.4,
+            maximum=30.0,
+            stagger=rep.stagger,
+            on_armed=self._on_setup_armed,
+        )
+
+    @property
+    def name(self) -> str:
+        return self.config.node.name
+
+    def system(self) -> Database:
+        assert self.store is not None
+        return self.store.database(SYSTEM, create=True)
+
+    # -- run ----------------------------------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        try:
+            await self._boot()
+        except BootError as exc:
+            log.error("boot_failed", reason=str(exc))
+            await self._close_boot()
+            return EXIT_BOOT_ERROR
+        for sig, action in (
+            (signal.SIGTERM, self.request_stop),
+            (signal.SIGINT, self.request_stop),
+            (signal.SIGHUP, self.request_reload),
+        ):
+            self.loop.add_signal_handler(sig, action)
+        self._tasks.append(self.loop.create_task(self._await_ready(), name="await ready"))
+        await self._stop.wait()
+        await self._shutdown()
+        return self.exit_code
+
+    async def _boot(self) -> None:
+        config = self.config
+        directory = config_module.data_dir(config)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            probe = directory / ".write-probe"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise BootError(f"data directory {directory} is not writable: {exc.strerror or exc}") from None
+        try:
+            server_context(
+                config_module.resolve_path(config, config.tls.ca),
+                config_module.resolve_path(config, config.tls.cert),
+                config_module.resolve_path(config, config.tls.key),
+            )
+        except TlsConfigError as exc:
+            raise BootError(str(exc)) from None
+        _probe_port(config.listen.host, config.listen.port)
+        try:
+            self.store = Store(directory, self.name)
+            system = self.system()
+        except Exception as exc:
+            raise BootError(f"cannot open the store in {directory}: {exc}") from None
+        self.holds = set(self.store.names()) | {SYSTEM}
+        for database in sorted(self.holds):
+            self.catchup[database] = self.store.database(database).last_own_version()
+        self._write_own_row(system)
+        from coordinator.admin import AdminServer
+
+        self._admin = AdminServer(self)
+        try:
+            await self._admin.start()
+        except OSError as exc:
+            listen = config.listen
+            raise BootError(
+                f"cannot listen on the admin port {listen.admin_host}:{listen.admin_port}: {exc.strerror}"
+            ) from None
+        log.info(
+            "node_starting",
+            node=self.name,
+            url=config.node.url,
+            workers=config.worker_count,
+            port=config.listen.port,
+            admin_port=config.listen.admin_port,
+        )
+        self.supervisor.start(config.worker_count)
+
+    async def _close_boot(self) -> None:
+        if self._admin is not None:
+            await self._admin.close()
+        if self.store is not None:
+            self.store.close()
+
+    async def _await_ready(self) -> None:
+        try:
+            await asyncio.wait_for(self._ready.wait(), BOOT_TIMEOUT)
+        except TimeoutError:
+            log.error("boot_timeout", waited_s=BOOT_TIMEOUT)
+            self.exit_code = EXIT_BOOT_ERROR
+            self.request_stop()
+            return
+        log.info("node_ready", node=self.name, workers=len(self.supervisor.live()))
+        self.notifier.notify("READY=1", f"STATUS=replicating with {len(self.supervisor.live())} workers")
+        self._tasks.append(self.loop.create_task(self._registry_loop(), name="registry watcher"))
+        self._tasks.append(self.loop.create_task(self._reconcile_loop(), name="reconcile"))
+        self._tasks.append(self.loop.create_task(self.notifier.watchdog_loop(), name="watchdog"))
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def request_reload(self) -> None:
+        self._tasks.append(self.loop.create_task(self._reload(), name="reload"))
+
+    async def _shutdown(self) -> None:
+        self._closing = True
+        deadline = self.config.replication.shutdown_timeout
+        log.info("node_stopping", deadline_s=deadline)
+        self.notifier.notify("STOPPING=1")
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for entry in self.map:
+            entry.disarm()
+        await self.supervisor.stop(max(1.0, deadline - 1.0))
+        if self._admin is not None:
+            await self._admin.close()
+        if self.store is not None:
+            self.store.close()
+        log.info("node_stopped", code=self.exit_code)
+
+    # -- own row and registry -----------------------------------------------------------------------------------
+
+    def _write_own_row(self, system: Database) -> None:
+        rows = read_nodes(system)
+        current = rows.get(self.name)
+        wanted = NodeRow(
+            name=self.name,
+            url=self.config.node.url,
+            databases=list(self.config.replication.databases),
+            replicates=self.config.replication.mesh,
+            leader=current.leader if current else False,
+            revoked=list(current.revoked) if current else [],
+            holds=sorted(self.holds),
+        )
+        if current is None or (current.url, sorted(current.holds), current.replicates, current.databases) != (
+            wanted.url,
+            wanted.holds,
+            wanted.replicates,
+            wanted.databases,
+        ):
+            write_node(system, wanted)
+
+    def poke_registry(self) -> None:
+        self._registry_poke.set()
+
+    async def _registry_loop(self) -> None:
+        backoff = Backoff(initial=1.0, maximum=30.0, jitter="full", rng=self.rng, clock=self.loop.time)
+        while True:
+            came_up_at: float | None = None
+            try:
+                system = self.system()
+                last_version: int | None = None
+                while True:
+                    version = system.data_version()
+                    if version != last_version or self._registry_poke.is_set():
+                        self._registry_poke.clear()
+                        last_version = version
+                        self.sync_registry(system)
+                    if came_up_at is None:
+                        came_up_at = self.loop.time()
+                    elif self.loop.time() - came_up_at >= WATCHER_HEALTHY_UPTIME:
+                        backoff.reset()
+                    try:
+                        await asyncio.wait_for(self._registry_poke.wait(), REGISTRY_POLL)
+                    except TimeoutError:
+                        pass
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                # Progress is an iteration that stayed live after it came up; one that came up and threw at
+                # once is a failure like any other.
+                if came_up_at is not None and self.loop.time() - came_up_at >= WATCHER_HEALTHY_UPTIME:
+                    backoff.reset()
+                delay = backoff.next_delay()
+                assert delay is not None
+                log.warning("registry_watcher_failed", error=repr(exc), retry_in_s=round(delay, 3))
+                await asyncio.sleep(delay)
+
+    def sync_registry(self, system: Database) -> None:
+        rows = read_nodes(system)
+        versions = {entry.id: entry.version for entry in system.scan("nodes", None, 100_000)}
+        own = rows.get(self.name)
+        if own is None or own.url != self.config.node.url or sorted(own.holds) != sorted(self.holds):
+            self._write_own_row(system)
+        views = registry.merge(rows, versions, self.config)
+        previous = self.views
+        self.views = views
+        changed = {name for name, view in views.items() if previous.get(name) != view}
+        for name in sorted(set(previous) - set(views)):
+            self.on_node_removed(name)
+        for name in sorted(views):
+            if name != self.name:
+                self.on_node_update(views[name], event=name in changed)
+
+    def _direct_peers(self, database: str) -> list[str]:
+        return sorted(
+            name
+            for name, view in self.views.items()
+            if registry.dials(self.config, view) and database in registry.databases_for(self.config, view)
+        )
+
+    def on_node_update(self, view: NodeView, event: bool = True) -> None:
+        entry = self.map.by_peer(view.name)
+        if not registry.dials(self.config, view):
+            if entry is not None:
+                self._drop_entry(entry, "not replicated with")
+            return
+        if entry is not None and entry.url != view.url:
+            # Same name, new address: nothing of the old connection may survive, its timers included.
+            log.info("peer_url_migrated", peer=view.name, old_url=entry.url, url=view.url)
+            self._drop_entry(entry, "url migrated")
+            entry = None
+        wanted = registry.databases_for(self.config, view)
+        for database in wanted:
+            self.on_database(view, database, event)
+        entry = self.map.by_peer(view.name)
+        if entry is not None:
+            for database in [d for d in entry.pairs if d not in wanted]:
+                self._drop_pair(entry, database)
+
+    def on_node_removed(self, name: str) -> None:
+        entry = self.map.by_peer(name)
+        if entry is not None:
+            self._drop_entry(entry, "node removed")
+
+    def _payload(self, view: NodeView, key: str, database: str) -> messages.Subscribe:
+        exclude = sorted({self.name, *(p for p in self._direct_peers(database) if p != view.name)})
+        # Leadership comes from the latest node state on every update, never from a cached flag.
+        return messages.Subscribe(
+            key=key, peer=view.name, url=view.url, database=database, exclude=exclude, leader=view.leader
+        )
+
+    def on_database(self, view: NodeView, database: str, event: bool = True) -> None:
+        now = self.loop.time()
+        key = connection_key(view.url)
+        entry = self.map.get(key)
+        if entry is None:
+            entry = Entry(key=key, peer=view.name, url=view.url, worker=self.place())
+            self.map.put(entry)
+        elif not self.supervisor.is_live(entry.worker):
+            entry = self._replace_entry(entry)
+        entry.leader = view.leader
+        payload = self._payload(view, key, database)
+        pair = entry.pairs.get(database)
+        if pair is None:
+            pair = PairState(database=database, payload=payload, created_at=now)
+            entry.pairs[database] = pair
+            changed = True
+        else:
+            changed = _setup_fields(pair.payload) != _setup_fields(payload)
+            pair.payload = payload
+        if not changed and not event:
+            return
+        if not changed and pair.connected and self.supervisor.is_live(pair.worker):
+            return
+        if not self.scheduler.schedule(view.url, database, payload):
+            self.scheduler.refresh_pending(view.url, database, payload)
+
+    def _replace_entry(self, entry: Entry) -> Entry:
+        """The stale-worker path: the entry is recreated on a live worker (its schedule lives on, elsewhere)."""
+        replacement = Entry(
+            key=entry.key,
+            peer=entry.peer,
+            url=entry.url,
+            worker=self.place(),
+            pairs=entry.pairs,
+            leader=entry.leader,
+        )
+        for pair in replacement.pairs.values():
+            if not self.supervisor.is_live(pair.worker):
+                pair.connected = False
+        self.map.put(replacement)
+        return replacement
+
+    def place(self) -> int:
+        """A live worker for a new entry: the least loaded, round-robin among equals; -1 when none is live."""
+        live = self.supervisor.live()
+        if not live:
+            return -1
+        load = {slot: 0 for slot in live}
+        for entry in self.map:
+            if entry.worker in load:
+                load[entry.worker] += 1
+        self._placements += 1
+        fewest = min(load.values())
+        candidates = [slot for slot in live if load[slot] == fewest]
+        return candidates[self._placements % len(candidates)]
+
+    def _drop_pair(self, entry: Entry, database: str) -> None:
+        pair = entry.pairs.pop(database, None)
+        self.scheduler.cancel(entry.url, database)
+        self._drop_catchup_inflight(entry.key, database)
+        if pair is None:
+            return
+        for worker in {entry.worker, pair.worker}:
+            if worker is not None and worker >= 0:
+                self.supervisor.send(worker, messages.Unsubscribe(key=entry.key, database=database))
+        if not entry.pairs:
+            self.map.remove(entry.key)
+
+    def _drop_entry(self, entry: Entry, reason: str) -> None:
+        log.info("peer_dropped", peer=entry.peer, url=entry.url, reason=reason)
+        entry.disarm()
+        self.scheduler.cancel_peer(entry.url)
+        for database in list(entry.pairs):
+            self._drop_pair(entry, database)
+        self.map.remove(entry.key)
+
+    # -- setup scheduler ------------------------------------------------------------------------------------------
+
+    def _on_setup_armed(self, peer_url: str, database: str, payload: messages.Subscribe, delay: float) -> None:
+        log.info("subscription_setup_armed", peer=payload.peer, database=database, delay_s=round(delay, 4))
+
+    def _dispatch(self, peer_url: str, database: str, payload: messages.Subscribe) -> None:
+        if self._closing:
+            return
+        key = connection_key(peer_url)
+        entry = self.map.get(key)
+        pair = entry.pairs.get(database) if entry is not None else None
+        if entry is None or pair is None:
+            log.info("subscription_setup_stale", peer=payload.peer, database=database)
+            return
+        if not self.supervisor.is_live(entry.worker):
+            entry = self._replace_entry(entry)
+            if entry.worker < 0:
+                log.warning("subscription_setup_no_worker", peer=entry.peer, database=database)
+                return
+        self._dispatches += 1
+        rider = self.catchup.get(database) if database not in self._catchup_inflight else None
+        message = msgspec.structs.replace(pair.payload, dispatch=self._dispatches, catchup_after=rider)
+        if not self.supervisor.send(entry.worker, message):
+            log.warning("subscription_setup_undelivered", peer=entry.peer, database=database, worker=entry.worker)
+            return
+        if rider is not None:
+            self._catchup_inflight[database] = (key, self._dispatches, entry.worker)
+        log.info("subscription_setup_dispatched", peer=entry.peer, database=database, worker=entry.worker)
+
+    def _drop_catchup_inflight(self, key: str, database: str) -> None:
+        inflight = self._catchup_inflight.get(database)
+        if inflight is not None and inflight[0] == key:
+            del self._catchup_inflight[database]
+
+    # -- worker reports -------------------------------------------------------------------------------------------
+
+    def _on_worker_message(self, slot: int, message: messages.ToCoordinator) -> None:
+        handle = self.supervisor.workers.get(slot)
+        if handle is None:
+            return
+        now = self.loop.time()
+        match message:
+            case messages.Heartbeat(rss_bytes=rss, counters=counters):
+                handle.last_heartbeat = now
+                handle.rss_bytes = rss
+                self.metrics.apply(counters)
+            case messages.Ready(pid=pid):
+                handle.ready = True
+                handle.pid = pid
+                handle.last_heartbeat = now
+                if handle.restarts == 0 and self.supervisor.all_ready():
+                    self._ready.set()
+                if self._ready.is_set():
+                    self.reconcile_stale()
+            case messages.BootFailed(reason=reason):
+                handle.boot_error = reason
+            case messages.SubscribeAccepted(key=key, database=database, dispatch=dispatch, catchup=catchup):
+                pair = self.map.pair(key, database)
+                if pair is not None:
+                    pair.accepted_by = slot
+                inflight = self._catchup_inflight.get(database)
+                if catchup and inflight is not None and inflight[:2] == (key, dispatch):
+                    del self._catchup_inflight[database]
+                    self.catchup.pop(database, None)
+            case messages.Connected(key=key, database=database, worker=worker, session=session):
+                self._on_connected(slot, key, database, worker, session, message.peer_head_seq, now)
+            case messages.Disconnected():
+                self._on_disconnected(message, now)
+            case messages.Progress():
+                self._on_progress(message, now)
+            case messages.DatabaseOpened(name=name):
+                if name not in self.holds:
+                    self.holds.add(name)
+                    self._write_own_row(self.system())
+
+    def _on_connected(
+        self, slot: int, key: str, database: str, worker: int, session: int, head: int, now: float
+    ) -> None:
+        entry = self.map.get(key)
+        pair = entry.pairs.get(database) if entry is not None else None
+        if entry is None or pair is None:
+            # A session nobody wants (its pair was dropped while it connected): end it.
+            self.supervisor.send(slot, messages.Unsubscribe(key=key, database=database))
+            return
+        pair.connected = True
+        pair.worker = worker
+        pair.session = session
+        pair.connected_at = now
+        pair.last_progress_at = now
+        pair.peer_head_seq = head
+        pair.reconnect_attempts = 0
+        pair.last_error = ""
+        # Reset the pair's setup delay, cancel nothing: the report cannot be attributed to the armed work.
+        self.scheduler.note_connected(entry.url, database)
+
+    def _on_disconnected(self, message: messages.Disconnected, now: float) -> None:
+        pair = self.map.pair(message.key, message.database)
+        if pair is None:
+            return
+        if pair.stall is not None and (pair.stall.worker, pair.stall.session) == (
+            message.worker,
+            message.session,
+        ):
+            pair.stall = None  # the monitored session ended: its kick is released
+        pair.reconnect_attempts = message.attempts
+        if message.error:
+            pair.last_error = message.error
+        if (pair.worker, pair.session) == (message.worker, message.session) or not pair.connected:
+            if pair.connected or pair.disconnected_at is None:
+                pair.disconnected_at = now
+            pair.connected = False
+            pair.worker = message.worker
+
+    def _on_progress(self, message: messages.Progress, now: float) -> None:
+        pair = self.map.pair(message.key, message.database)
+        if pair is None:
+            return
+        own_session = (pair.worker, pair.session) == (message.worker, message.session)
+        watch = pair.stall
+        if (
+            watch is not None
+            and (watch.worker, watch.session) == (message.worker, message.session)
+            and message.last_received_seq > watch.seq
+        ):
+            pair.stall = None  # the monitored session progressed: its kick is released
+        if not own_session:
+            return
+        if message.last_received_seq > pair.last_received_seq or message.applied > pair.applied:
+            pair.last_progress_at = now
+        pair.last_received_seq = message.last_received_seq
+        pair.peer_head_seq = message.peer_head_seq
+        pair.lag_seconds = message.lag_seconds
+        pair.applied = message.applied
+        pair.copies = message.copies
+        pair.copying = message.copying
+
+    def _on_worker_exit(self, handle: WorkerHandle) -> None:
+        for database, inflight in list(self._catchup_inflight.items()):
+            if inflight[2] == handle.slot:
+                del self._catchup_inflight[database]
+        for entry in self.map:
+            if entry.worker == handle.slot:
+                entry.disarm()
+            for pair in entry.pairs.values():
+                if pair.worker == handle.slot:
+                    pair.connected = False
+                    if pair.disconnected_at is None or pair.connected_at is not None:
+                        pair.disconnected_at = self.loop.time()
+        if not self._closing:
+            self.reconcile_stale()
+
+    def _on_boot_error(self, handle: WorkerHandle) -> None:
+        self.boot_error = f"worker {handle.slot} cannot boot: {handle.boot_error}"
+        log.error("worker_boot_failed", worker=handle.slot, reason=handle.boot_error, action="node halts")
+        self.exit_code = EXIT_BOOT_ERROR
+        self.request_stop()
+
+    # -- reconcile ------------------------------------------------------------------------------------------------
+
+    async def _reconcile_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.replication.reconcile_interval)
+            try:
+                self.reconcile()
+            except Exception as exc:
+                log.error("reconcile_failed", error=repr(exc))
+
+    def reconcile(self) -> None:
+        """One pass: the truth pass (hung workers), stale pairs, wedged pairs, stalled receivers."""
+        now = self.loop.time()
+        timeout = self.config.replication.heartbeat_timeout
+        for handle in list(self.supervisor.workers.values()):
+            if handle.alive and handle.ready and now - handle.last_heartbeat > timeout:
+                log.warning(
+                    "worker_hung",
+                    worker=handle.slot,
+                    pid=handle.pid,
+                    silent_s=round(now - handle.last_heartbeat, 3),
+                )
+                self.supervisor.kill(handle.slot)
+        self.reconcile_stale()
+        self._redrive_wedged(now)
+        self._kick_stalled(now)
+        log.flush()
+
+    def reconcile_stale(self) -> None:
+        """Move every entry whose worker is dead or missing to live workers, in one sweep (stagger spacing)."""
+        stale = [entry for entry in self.map if not self.supervisor.is_live(entry.worker)]
+        if not stale or not self.supervisor.live():
+            return
+        sweep = self.scheduler.sweep()
+        for entry in stale:
+            replacement = self._replace_entry(entry)
+            for database, pair in replacement.pairs.items():
+                self.reassignments += 1
+                log.info("stale_reassigned", peer=entry.peer, database=database, worker=replacement.worker)
+                if not self.scheduler.schedule(replacement.url, database, pair.payload, sweep=sweep):
+                    self.scheduler.refresh_pending(replacement.url, database, pair.payload)
+
+    def _redrive_base(self) -> float:
+        # One draw per sweep as the common base, then the ladder: independent draws would break the spacing.
+        return 0.2 + self.rng() * 0.2
+
+    def _redrive_wedged(self, now: float) -> None:
+        threshold = self.config.replication.wedge_threshold
+        wedged: list[Entry] = []
+        for entry in self.map:
+            if entry.redrive is not None or not self.supervisor.is_live(entry.worker):
+                continue
+            if any(self._is_wedged(pair, now, threshold) for pair in entry.pairs.values()):
+                wedged.append(entry)
+        if not wedged:
+            return
+        log.warning("wedge_redrive", count=len(wedged))
+        base = self._redrive_base()
+        stagger = self.config.replication.stagger
+        for index, entry in enumerate(wedged):
+            entry.arm(self.loop.call_later(base + index * stagger, self._fire_wedge, entry), "wedge")
+
+    @staticmethod
+    def _is_wedged(pair: PairState, now: float, threshold: float) -> bool:
+        if pair.connected:
+            return False
+        since = pair.disconnected_at if pair.disconnected_at is not None else pair.created_at
+        return now - since >= threshold
+
+    def _fire_wedge(self, entry: Entry) -> None:
+        entry.redrive = None
+        entry.redrive_kind = ""
+        if self.map.get(entry.key) is not entry or not self.supervisor.is_live(entry.worker):
+            return
+        now = self.loop.time()
+        threshold = self.config.replication.wedge_threshold
+        for database, pair in entry.pairs.items():
+            if not self._is_wedged(pair, now, threshold):
+                continue
+            self.redrives["wedge"] += 1
+            pair.disconnected_at = now  # the next re-drive waits another threshold
+            if pair.accepted_by == entry.worker:
+                self.supervisor.send(
+                    entry.worker,
+                    messages.ForceReconnect(key=entry.key, database=database, reason="wedged: re-driven"),
+                )
+            elif not self.scheduler.schedule(entry.url, database, pair.payload):
+                self.scheduler.refresh_pending(entry.url, database, pair.payload)
+
+    def _kick_stalled(self, now: float) -> None:
+        threshold = self.config.replication.stall_threshold
+        candidates: list[tuple[Entry, str, StallWatch]] = []
+        for entry in self.map:
+            if entry.redrive is not None:
+                continue
+            for database, pair in entry.pairs.items():
+                if not pair.connected or not pair.behind or pair.stall is not None:
+                    continue
+                if pair.worker is None or pair.session is None:
+                    continue
+                quiet_since = max(pair.last_progress_at or pair.created_at, pair.stall_kicked_at or 0.0)
+                if now - quiet_since >= threshold:
+                    watch = StallWatch(pair.worker, pair.session, now, pair.last_received_seq)
+                    pair.stall = watch
+                    candidates.append((entry, database, watch))
+                    break
+        if not candidates:
+            return
+        base = self._redrive_base()
+        stagger = self.config.replication.stagger
+        for index, (entry, database, watch) in enumerate(candidates):
+            entry.arm(
+                self.loop.call_later(base + index * stagger, self._fire_stall, entry, database, watch),
+                "stall",
+            )
+
+    def _fire_stall(self, entry: Entry, database: str, watch: StallWatch) -> None:
+        entry.redrive = None
+        entry.redrive_kind = ""
+        pair = entry.pairs.get(database) if self.map.get(entry.key) is entry else None
+        if not should_fire_stall_kick(pair, watch):
+            return
+        assert pair is not None
+        pair.stall = None
+        pair.stall_kicked_at = self.loop.time()
+        self.redrives["stall"] += 1
+        log.warning("stall_kick", peer=entry.peer, database=database, worker=watch.worker, session=watch.session)
+        self.supervisor.send(
+            watch.worker,
+            messages.ForceReconnect(
+                key=entry.key, database=database, session=watch.session, reason="receive stalled: kicked"
+            ),
+        )
+
+    # -- reload ---------------------------------------------------------------------------------------------------
+
+    async def _reload(self) -> None:
+        source = self.config.source
+        try:
+            new = config_module.load(source)
+        except ConfigError as exc:
+            log.error("reload_failed", error=str(exc))
+            return
+        if (new.node.name, normalize_url(new.node.url)) != (self.name, normalize_url(self.config.node.url)):
+            log.error("reload_failed", error="node.name and node.url cannot change while running")
+            return
+        old = self.config
+        file_workers = new.node.workers
+        if self._cli_workers is not None and file_workers == self._file_workers:
+            new.node.workers = old.node.workers
+        else:
+            self._cli_workers = None
+        self._file_workers = file_workers
+        self.config = new
+        self.scheduler.stagger = new.replication.stagger
+        for handle in self.supervisor.workers.values():
+            self.supervisor.send(handle.slot, messages.Reconfigure(config=config_module.encode(new)))
+        log.info("config_reloaded", peers=len(new.peers), workers=new.worker_count)
+        if new.worker_count != old.worker_count:
+            await self.scale(new.worker_count)
+        self.poke_registry()
+
+    async def scale(self, count: int) -> None:
+        """Change the number of workers, moving pairs on the stagger ladder without dropping healthy sessions."""
+        from coordinator.scaling import scale
+
+        await scale(self, count)
+
+
+def _setup_fields(payload: messages.Subscribe) -> tuple[Any, ...]:
+    return (payload.url, tuple(payload.exclude), payload.leader)
+
+
+def _probe_port(host: str, port: int) -> None:
+    """Fail at boot when another process holds the node port: workers bind it with SO_REUSEPORT, which would
+    otherwise share the port silently with any other process of the same user."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise BootError(f"node port {host}:{port} is in use") from None
+            raise BootError(f"cannot bind the node port {host}:{port}: {exc.strerror}") from None

@@ -1,0 +1,141 @@
+"""The connection-replication map: connection key -> Entry, one per peer connection the node wants.
+
+An Entry is placed on one worker and holds the state of each of its databases (a PairState). It owns at most one
+re-drive timer (wedge or stall recovery); `disarm()` is the single place that cancels it, and every path that ends an
+entry's role calls it: unsubscribe, node deletion, worker exit, entry replacement and URL migration.
+
+The setup schedule of a pair is deliberately not here: the stale-worker path deletes and recreates entries, and a
+schedule kept on the entry would be wiped on exactly the path that most needs its dedup.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared import messages
+
+
+@dataclass
+class StallWatch:
+    """A suspected receive stall, scoped to the session that stalled."""
+
+    worker: int
+    session: int
+    detected_at: float
+    seq: int  # last_received_seq when the stall was detected
+
+
+@dataclass
+class PairState:
+    database: str
+    payload: messages.Subscribe
+    created_at: float
+    connected: bool = False
+    worker: int | None = None  # the worker whose session last reported
+    session: int | None = None
+    accepted_by: int | None = None  # the worker that accepted the latest dispatched subscribe
+    connected_at: float | None = None
+    disconnected_at: float | None = None
+    last_progress_at: float | None = None
+    last_received_seq: int = 0
+    peer_head_seq: int = 0
+    lag_seconds: float = 0.0
+    applied: int = 0
+    copies: int = 0
+    copying: bool = False
+    reconnect_attempts: int = 0
+    last_error: str = ""
+    stall: StallWatch | None = None
+    # Set when a stall kick fired; no new kick until apply progress or another stall threshold.
+    stall_kicked_at: float | None = None
+
+    def revive(self, now: float) -> None:
+        """The pair is wanted again after an unsubscribe: every timestamp starts over, the stall stamp included."""
+        self.created_at = now
+        self.connected = False
+        self.connected_at = None
+        self.disconnected_at = None
+        self.last_progress_at = None
+        self.stall = None
+        self.stall_kicked_at = None
+
+    @property
+    def behind(self) -> bool:
+        return self.peer_head_seq > self.last_received_seq
+
+
+@dataclass
+class Entry:
+    key: str
+    peer: str
+    url: str
+    worker: int
+    pairs: dict[str, PairState] = field(default_factory=dict)
+    leader: bool = False
+    redrive: Any = None  # the owned timer handle (loop.call_later), or None
+    redrive_kind: str = ""
+
+    def arm(self, handle: Any, kind: str) -> None:
+        self.disarm()
+        self.redrive = handle
+        self.redrive_kind = kind
+
+    def disarm(self) -> None:
+        if self.redrive is not None:
+            self.redrive.cancel()
+            self.redrive = None
+            self.redrive_kind = ""
+
+
+class ReplicationMap:
+    def __init__(self) -> None:
+        self._entries: dict[str, Entry] = {}
+        self._by_peer: dict[str, str] = {}
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(list(self._entries.values()))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: str) -> Entry | None:
+        return self._entries.get(key)
+
+    def by_peer(self, peer: str) -> Entry | None:
+        key = self._by_peer.get(peer)
+        return self._entries.get(key) if key is not None else None
+
+    def put(self, entry: Entry) -> None:
+        """Add or replace; a replaced entry's re-drive timer is disarmed."""
+        old = self._entries.get(entry.key)
+        if old is not None and old is not entry:
+            old.disarm()
+        self._entries[entry.key] = entry
+        self._by_peer[entry.peer] = entry.key
+
+    def remove(self, key: str) -> Entry | None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            entry.disarm()
+            if self._by_peer.get(entry.peer) == key:
+                del self._by_peer[entry.peer]
+        return entry
+
+    def pair(self, key: str, database: str) -> PairState | None:
+        entry = self._entries.get(key)
+        return entry.pairs.get(database) if entry is not None else None
+
+
+def should_fire_stall_kick(pair: PairState | None, watch: StallWatch) -> bool:
+    """Decide, when the kick's timer fires, whether the stalled session still deserves a forced reconnect.
+
+    The watch is released (pair.stall cleared) only by the monitored session's own reports: apply progress or its
+    disconnect. A report from another session (a failover or superseded worker) neither cancels nor releases it,
+    and the kick it leads to is scoped to the monitored session, so it cannot tear down the other one.
+    """
+    if pair is None or pair.stall is not watch:
+        return False
+    if (pair.worker, pair.session) == (watch.worker, watch.session):
+        return pair.connected and pair.behind and pair.last_received_seq <= watch.seq
+    return True

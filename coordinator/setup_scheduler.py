@@ -1,0 +1,268 @@
+"""Admission control for subscription setup: at most one armed setup per (peer url, database).
+
+Setup requests are driven by events (registry updates, reconcile passes, worker exits) that can repeat thousands
+of times a second while a peer is unreachable; turning each one into its own timer and dispatch amplified a DNS
+hiccup into an OOM (seed issue #327). Here an event either arms the pair's one setup, with a delay drawn from the
+pair's own backoff, or replaces the payload of the setup already armed, so the dispatch rate is bounded by the
+schedule however fast the events come.
+
+The schedules live in this object's own map, not on the replication map's entry: the stale-worker path deletes and
+recreates entries, and state kept there would be wiped on exactly the path that most needs the dedup. The price is
+a second lifecycle: the owner cancels a pair on unsubscribe, node deletion and URL migration. A connect report
+resets the pair's schedule and cancels nothing, because a report cannot be attributed to the setup that caused it
+(a failover peer is subscribed on a worker that is not the entry's) and a setup re-checks live state when it runs.
+
+Sweeps keep the dispatches of one burst (a worker exit, a reconcile pass) at least `stagger` apart, which bounds
+concurrent TLS handshakes (seed issue #446). A fixed ladder added on top of independent jittered draws does not
+(seed finding #805: draws of 0.399 s and 0.2 s plus a 0.05 s ladder fire 0.149 s apart, and other draws land on
+one tick), so each setup of a sweep fires at the earliest time, not before its own delay, that keeps `stagger`
+from every time the sweep has already claimed. A pair backed off to 25 s claims a slot at 25 s and does not hold
+back the healthy pairs of the same sweep.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from shared.backoff import Backoff
+from shared.logs import log
+
+
+class TimerHandle(Protocol):
+    def cancel(self) -> None: ...
+
+
+class TimerLoop(Protocol):
+    """What the scheduler needs of a loop; an asyncio event loop qualifies."""
+
+    def time(self) -> float: ...
+
+    def call_later(self, delay: float, callback: Callable[..., object], *args: Any) -> TimerHandle: ...
+
+
+Dispatch = Callable[[str, str, Any], object]
+OnArmed = Callable[[str, str, Any, float], object]
+Pair = tuple[str, str]
+
+_ROUNDING = 1e-9
+
+
+class Sweep:
+    """A sweep token: the fire times already claimed by the setups armed with it.
+
+    Claims older than `stagger` before now can no longer conflict with anything armed later, so they are pruned on
+    each claim; the list lives as long as the caller's token or the setups still armed with it, whichever is longer.
+    """
+
+    __slots__ = ("__weakref__", "_claimed")
+
+    def __init__(self) -> None:
+        self._claimed: list[float] = []
+
+    @property
+    def claimed(self) -> tuple[float, ...]:
+        """The fire times this sweep still remembers, in order."""
+        return tuple(self._claimed)
+
+    def _free_slot(self, when: float, stagger: float) -> float:
+        """The earliest time >= `when` that is at least `stagger` from every claimed time."""
+        claimed = self._claimed
+        # Slots placed exactly `stagger` apart must not count as a conflict because of float rounding.
+        for index in range(bisect.bisect_right(claimed, when - stagger + _ROUNDING), len(claimed)):
+            other = claimed[index]
+            if other >= when + stagger - _ROUNDING:
+                break
+            when = other + stagger
+        return when
+
+    def _claim(self, when: float, now: float, stagger: float) -> None:
+        claimed = self._claimed
+        stale = bisect.bisect_right(claimed, now - stagger)
+        if stale:
+            del claimed[:stale]
+        bisect.insort(claimed, when)
+
+    def _release(self, when: float) -> None:
+        claimed = self._claimed
+        index = bisect.bisect_left(claimed, when)
+        if index < len(claimed) and claimed[index] == when:
+            del claimed[index]
+
+
+class _Armed:
+    __slots__ = ("handle", "key", "payload", "sweeps", "when")
+
+    def __init__(self, key: Pair, payload: Any, when: float, sweeps: tuple[Sweep, ...]) -> None:
+        self.key = key
+        self.payload = payload
+        self.when = when
+        self.sweeps = sweeps
+        self.handle: TimerHandle | None = None
+
+
+class SetupScheduler:
+    """One armed setup per (peer url, database), paced by that pair's backoff; see the module docstring."""
+
+    def __init__(
+        self,
+        dispatch: Dispatch,
+        *,
+        loop: TimerLoop,
+        rng: Callable[[], float] = random.random,
+        floor: float = 0.2,
+        initial: float = 0.4,
+        maximum: float = 30.0,
+        stagger: float = 0.05,
+        on_armed: OnArmed | None = None,
+    ) -> None:
+        # Fail at construction, not at the first setup, on a bad schedule.
+        Backoff(initial, maximum, floor, rng=rng, clock=loop.time)
+        if isinstance(stagger, bool) or not isinstance(stagger, int | float) or not 0 <= stagger < float("inf"):
+            raise ValueError(f"stagger must be a finite number of seconds >= 0, got {stagger!r}")
+        self._dispatch = dispatch
+        self._loop = loop
+        self._rng = rng
+        self._floor = floor
+        self._initial = initial
+        self._maximum = maximum
+        self._stagger = float(stagger)
+        self._on_armed = on_armed
+        self._schedules: dict[Pair, Backoff] = {}
+        self._armed: dict[Pair, _Armed] = {}
+        self.requests = 0
+        self.armed = 0
+        self.dispatched = 0
+
+    @property
+    def pending(self) -> int:
+        """Setups armed and not yet fired."""
+        return len(self._armed)
+
+    def is_armed(self, peer_url: str, database: str) -> bool:
+        return (peer_url, database) in self._armed
+
+    def sweep(self) -> Sweep:
+        return Sweep()
+
+    def schedule(self, peer_url: str, database: str, payload: Any, sweep: Sweep | None = None) -> bool:
+        """Arm the pair's setup; True when newly armed, False when one was armed (its payload is replaced)."""
+        self.requests += 1
+        key = (peer_url, database)
+        armed = self._armed.get(key)
+        if armed is not None:
+            armed.payload = payload
+            if sweep is not None and sweep not in armed.sweeps:
+                self._join(armed, sweep)
+            return False
+        schedule = self._schedules.get(key)
+        if schedule is None:
+            schedule = Backoff(
+                self._initial, self._maximum, self._floor, jitter="full", rng=self._rng, clock=self._loop.time
+            )
+            self._schedules[key] = schedule
+        delay = schedule.next_delay()
+        assert delay is not None  # no budget and no attempt cap: this schedule never exhausts
+        now = self._loop.time()
+        when = now + delay
+        sweeps: tuple[Sweep, ...] = ()
+        if sweep is not None:
+            when = sweep._free_slot(when, self._stagger)
+            sweep._claim(when, now, self._stagger)
+            sweeps = (sweep,)
+        armed = _Armed(key, payload, when, sweeps)
+        armed.handle = self._loop.call_later(when - now, self._fire, armed)
+        self._armed[key] = armed
+        self.armed += 1
+        if self._on_armed is not None:
+            self._on_armed(peer_url, database, payload, when - now)
+        return True
+
+    def _join(self, armed: _Armed, sweep: Sweep) -> None:
+        """An armed setup joins a sweep: it keeps its time unless that time is within `stagger` of a claimed one.
+
+        It still belongs to the sweeps it joined before, so the new time has to be free in all of them.
+        """
+        now = self._loop.time()
+        stagger = self._stagger
+        for other in armed.sweeps:
+            other._release(armed.when)
+        sweeps = (*armed.sweeps, sweep)
+        when = armed.when
+        while True:
+            moved = when
+            for member in sweeps:
+                moved = member._free_slot(moved, stagger)
+            if moved == when:
+                break
+            when = moved
+        for member in sweeps:
+            member._claim(when, now, stagger)
+        armed.sweeps = sweeps
+        if when != armed.when:
+            if armed.handle is not None:
+                armed.handle.cancel()
+            armed.when = when
+            armed.handle = self._loop.call_later(max(0.0, when - now), self._fire, armed)
+
+    def refresh_pending(self, peer_url: str, database: str, payload: Any) -> bool:
+        """Replace the payload of the armed setup; False when none is armed."""
+        armed = self._armed.get((peer_url, database))
+        if armed is None:
+            return False
+        armed.payload = payload
+        return True
+
+    def note_connected(self, peer_url: str, database: str) -> None:
+        """The pair connected: its next setup starts from the first delay again. An armed setup stays armed."""
+        schedule = self._schedules.get((peer_url, database))
+        if schedule is not None:
+            schedule.reset()
+
+    def cancel(self, peer_url: str, database: str) -> bool:
+        """Disarm the pair's setup and forget its schedule; True when a setup was armed."""
+        key = (peer_url, database)
+        self._schedules.pop(key, None)
+        armed = self._armed.pop(key, None)
+        if armed is None:
+            return False
+        self._disarm(armed)
+        return True
+
+    def cancel_peer(self, peer_url: str) -> int:
+        """Cancel every database of the peer; the number of setups that were armed."""
+        disarmed = 0
+        for key in [key for key in self._schedules if key[0] == peer_url]:
+            disarmed += self.cancel(*key)
+        return disarmed
+
+    def close(self) -> None:
+        """Disarm everything (node shutdown)."""
+        armed, self._armed = self._armed, {}
+        self._schedules.clear()
+        for entry in armed.values():
+            self._disarm(entry)
+
+    def _disarm(self, armed: _Armed) -> None:
+        if armed.handle is not None:
+            armed.handle.cancel()
+            armed.handle = None
+        for sweep in armed.sweeps:
+            sweep._release(armed.when)
+        armed.sweeps = ()
+
+    def _fire(self, armed: _Armed) -> None:
+        key = armed.key
+        if self._armed.get(key) is not armed:
+            return  # disarmed after the loop had already picked the timer
+        del self._armed[key]
+        armed.handle = None
+        armed.sweeps = ()
+        self.dispatched += 1
+        peer_url, database = key
+        try:
+            self._dispatch(peer_url, database, armed.payload)
+        except Exception as exc:
+            log.error("subscription_setup_dispatch_failed", url=peer_url, database=database, error=repr(exc))

@@ -1,0 +1,241 @@
+"""The supervisor: worker processes (spawn context), one duplex pipe each, exits watched, respawns paced.
+
+A worker that exits is respawned on the one backoff schedule (0.5 -> 30 s, full jitter), reset once a worker stayed
+up for RESPAWN_HEALTHY_UPTIME; a crash loop therefore slows down instead of spinning. A worker that exits with
+EXIT_BOOT_ERROR cannot start at all (port, certificates, data directory): respawning it would fail the same way,
+so the supervisor stops and reports why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import socket
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import msgspec
+
+from shared import messages
+from shared.backoff import Backoff
+from shared.logs import log
+from workers.main import EXIT_BOOT_ERROR, worker_entry
+
+RESPAWN_HEALTHY_UPTIME = 10.0
+
+
+class WorkerHandle:
+    def __init__(self, slot: int, rng: Callable[[], float], clock: Callable[[], float]) -> None:
+        self.slot = slot
+        self.process: BaseProcess | None = None
+        self.pid = 0
+        self.ready = False
+        self.alive = False
+        self.restarts = 0
+        self.started_at = 0.0
+        self.last_heartbeat = 0.0
+        self.rss_bytes = 0
+        self.exit_code: int | None = None
+        self.boot_error = ""
+        self.retiring = False
+        self.writer: asyncio.StreamWriter | None = None
+        self.reader_task: asyncio.Task[None] | None = None
+        self.respawn_timer: asyncio.TimerHandle | None = None
+        self.backoff = Backoff(initial=0.5, maximum=30.0, jitter="full", rng=rng, clock=clock)
+
+
+class Supervisor:
+    def __init__(
+        self,
+        config_bytes: Callable[[], bytes],
+        on_message: Callable[[int, Any], None],
+        on_exit: Callable[[WorkerHandle], None],
+        on_boot_error: Callable[[WorkerHandle], None],
+        *,
+        loop: asyncio.AbstractEventLoop,
+        rng: Callable[[], float],
+    ) -> None:
+        self._config_bytes = config_bytes
+        self._on_message = on_message
+        self._on_exit = on_exit
+        self._on_boot_error = on_boot_error
+        self._loop = loop
+        self._rng = rng
+        self._context = multiprocessing.get_context("spawn")
+        self.workers: dict[int, WorkerHandle] = {}
+        self.stopping = False
+        self._exit_seen = asyncio.Event()
+        self.respawns = 0  # over the node's life, retired slots included: the restarts counter reads it
+
+    # -- queries ------------------------------------------------------------------------------------------------
+
+    def live(self) -> list[int]:
+        """Slots whose worker is running and ready to take subscriptions, in slot order."""
+        return [slot for slot, w in sorted(self.workers.items()) if w.alive and w.ready and not w.retiring]
+
+    def is_live(self, slot: int | None) -> bool:
+        worker = self.workers.get(slot) if slot is not None else None
+        return worker is not None and worker.alive and not worker.retiring
+
+    def all_ready(self) -> bool:
+        active = [w for w in self.workers.values() if not w.retiring]
+        return bool(active) and all(w.alive and w.ready for w in active)
+
+    # -- lifecycle ----------------------------------------------------------------------------------------------
+
+    def start(self, count: int) -> None:
+        for slot in range(count):
+            self.spawn(slot)
+
+    def spawn(self, slot: int) -> WorkerHandle:
+        handle = self.workers.get(slot)
+        if handle is None:
+            handle = WorkerHandle(slot, self._rng, self._loop.time)
+            self.workers[slot] = handle
+        elif handle.alive:
+            return handle
+        handle.respawn_timer = None
+        parent, child = self._context.Pipe(duplex=True)
+        process = self._context.Process(
+            target=worker_entry,
+            args=(slot, self._config_bytes(), child),
+            name=f"replicator-worker-{slot}",
+        )
+        process.start()
+        child.close()
+        sock = socket.socket(fileno=os.dup(parent.fileno()))
+        parent.close()
+        handle.process = process
+        handle.pid = process.pid or 0
+        handle.alive = True
+        handle.ready = False
+        handle.exit_code = None
+        handle.started_at = self._loop.time()
+        handle.last_heartbeat = handle.started_at
+        handle.reader_task = self._loop.create_task(self._serve_pipe(handle, sock), name=f"pipe {slot}")
+        self._loop.add_reader(process.sentinel, self._exited, handle)
+        log.info("worker_started", worker=slot, pid=handle.pid)
+        return handle
+
+    async def _serve_pipe(self, handle: WorkerHandle, sock: socket.socket) -> None:
+        reader, writer = await asyncio.open_connection(sock=sock)
+        handle.writer = writer
+        try:
+            while True:
+                message = await messages.read_to_coordinator(reader)
+                self._on_message(handle.slot, message)
+        except messages.PipeClosed:
+            pass
+        except messages.PipeProtocolError as exc:
+            log.error("pipe_protocol_error", worker=handle.slot, error=str(exc))
+            self.kill(handle.slot)
+        finally:
+            writer.close()
+            handle.writer = None
+
+    def send(self, slot: int, message: msgspec.Struct) -> bool:
+        """Queue a message for a worker; False when it cannot be delivered (no such worker, or it is gone)."""
+        handle = self.workers.get(slot)
+        if handle is None or not handle.alive or handle.writer is None or handle.writer.is_closing():
+            return False
+        try:
+            handle.writer.write(messages.frame(message))
+        except (ConnectionError, RuntimeError):
+            return False
+        return True
+
+    def kill(self, slot: int) -> None:
+        handle = self.workers.get(slot)
+        if handle is not None and handle.alive and handle.process is not None:
+            handle.process.kill()
+
+    def _exited(self, handle: WorkerHandle) -> None:
+        process = handle.process
+        assert process is not None
+        self._loop.remove_reader(process.sentinel)
+        process.join(timeout=1.0)
+        code = process.exitcode
+        process.close()
+        handle.process = None
+        handle.alive = False
+        handle.ready = False
+        handle.exit_code = code
+        uptime = self._loop.time() - handle.started_at
+        self._exit_seen.set()
+        level = "info" if self.stopping or handle.retiring else "warning"
+        log.emit(
+            level,
+            "worker_exited",
+            {"worker": handle.slot, "pid": handle.pid, "code": code, "uptime_s": round(uptime, 3)},
+        )
+        if handle.reader_task is not None:
+            handle.reader_task.cancel()
+        self._on_exit(handle)
+        if handle.retiring:
+            del self.workers[handle.slot]  # scaled down: the slot is gone, not waiting for a respawn
+            return
+        if self.stopping:
+            return
+        if code == EXIT_BOOT_ERROR:
+            handle.boot_error = handle.boot_error or "the worker could not boot"
+            self._on_boot_error(handle)
+            return
+        if uptime >= RESPAWN_HEALTHY_UPTIME:
+            handle.backoff.reset()
+        delay = handle.backoff.next_delay()
+        assert delay is not None  # the respawn schedule never exhausts
+        log.info("worker_respawn_scheduled", worker=handle.slot, delay_s=round(delay, 4))
+        handle.restarts += 1
+        self.respawns += 1
+        handle.respawn_timer = self._loop.call_later(delay, self.spawn, handle.slot)
+
+    async def _wait_all_exited(self, timeout: float) -> None:
+        end = self._loop.time() + timeout
+        while any(w.alive for w in self.workers.values()):
+            left = end - self._loop.time()
+            if left <= 0:
+                return
+            self._exit_seen.clear()
+            try:
+                await asyncio.wait_for(self._exit_seen.wait(), left)
+            except TimeoutError:
+                return
+
+    def retire(self, slot: int, deadline: float) -> None:
+        """Scale down: stop this worker for good (its pairs are moved by the caller first)."""
+        handle = self.workers.get(slot)
+        if handle is None:
+            return
+        handle.retiring = True
+        if handle.respawn_timer is not None:
+            handle.respawn_timer.cancel()
+            handle.respawn_timer = None
+        if handle.alive:
+            self.send(slot, messages.Shutdown(deadline=deadline))
+            self._loop.call_later(deadline + 1.0, self.kill, slot)
+
+    def forget(self, slot: int) -> None:
+        handle = self.workers.get(slot)
+        if handle is not None and not handle.alive:
+            del self.workers[slot]
+
+    async def stop(self, deadline: float) -> None:
+        """Drain every worker within the deadline; kill what is left."""
+        self.stopping = True
+        for handle in self.workers.values():
+            if handle.respawn_timer is not None:
+                handle.respawn_timer.cancel()
+                handle.respawn_timer = None
+            self.send(handle.slot, messages.Shutdown(deadline=max(0.5, deadline - 1.0)))
+        await self._wait_all_exited(deadline)
+        for handle in self.workers.values():
+            if handle.alive and handle.process is not None:
+                log.warning("worker_killed_at_shutdown", worker=handle.slot, pid=handle.pid)
+                handle.process.kill()
+        await self._wait_all_exited(2.0)
+        tasks = [w.reader_task for w in self.workers.values() if w.reader_task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

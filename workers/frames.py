@@ -1,0 +1,63 @@
+"""Reading and writing replication frames on a WebSocket, for both ends of a session.
+
+aiohttp's client and server WebSockets share `receive()`, `send_bytes()` and `close()`; this module turns what
+they report into the protocol's exceptions, split by cause: the peer closed or broke the link (`PeerClosed`), the
+peer sent something we do not accept (`MalformedFrame`, `ProtocolViolation`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, TypeVar
+
+from aiohttp import WSMsgType
+
+from shared import wire
+
+T = TypeVar("T")
+
+
+async def receive(ws: Any, timeout: float | None = None) -> wire.Message:
+    try:
+        msg = await asyncio.wait_for(ws.receive(), timeout)
+    except TimeoutError:
+        raise wire.PeerClosed(f"no frame from the peer in {timeout:g} s", wire.CLOSE_GOING_AWAY) from None
+    if msg.type == WSMsgType.BINARY:
+        return wire.decode(msg.data)
+    if msg.type == WSMsgType.TEXT:
+        raise wire.MalformedFrame("text frames are not part of replicator.v1", unknown_type=True)
+    if msg.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
+        code = msg.data if isinstance(msg.data, int) and msg.data else ws.close_code or wire.CLOSE_GOING_AWAY
+        extra = f": {msg.extra}" if isinstance(msg.extra, str) and msg.extra else ""
+        raise wire.PeerClosed(f"closed by the peer ({code}{extra})", code)
+    if msg.type == WSMsgType.ERROR:
+        exc = ws.exception()
+        code = getattr(exc, "code", None) or ws.close_code or wire.CLOSE_INTERNAL
+        if code == wire.CLOSE_TOO_BIG:
+            raise wire.ProtocolViolation(f"frame too large: {exc}", wire.CLOSE_TOO_BIG)
+        raise wire.PeerClosed(f"connection broken: {exc}", code)
+    raise wire.ProtocolViolation(f"unexpected WebSocket message {msg.type!r}")
+
+
+async def expect(ws: Any, kind: type[T], timeout: float | None = None) -> T:
+    message = await receive(ws, timeout)
+    if not isinstance(message, kind):
+        raise wire.ProtocolViolation(f"expected {kind.__name__}, got {type(message).__name__}")
+    return message
+
+
+async def send(ws: Any, message: wire.Message) -> None:
+    try:
+        await ws.send_bytes(wire.encode(message))
+    except (ConnectionError, RuntimeError) as exc:
+        # aiohttp raises ConnectionResetError or RuntimeError once the transport is closing.
+        raise wire.PeerClosed(f"send failed: {exc}", wire.CLOSE_GOING_AWAY) from None
+
+
+async def close(ws: Any, code: int, reason: str) -> None:
+    if ws.closed:
+        return
+    try:
+        await asyncio.wait_for(ws.close(code=code, message=wire.close_reason(reason).encode()), 5.0)
+    except (TimeoutError, ConnectionError, RuntimeError):
+        pass

@@ -1,0 +1,313 @@
+"""A worker process: owns the TLS sessions, the inbound server and its own connections to the store.
+
+The coordinator starts it with the spawn context and talks to it over one duplex pipe. Before the worker is ready,
+commands wait in the admission gate (the latest per pair); after, they run inline. A heartbeat from inside the loop
+every second proves the loop runs. A worker that cannot boot (store, certificates, port) exits with
+EXIT_BOOT_ERROR so the supervisor stops respawning it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import random
+import signal
+import socket
+import sys
+from multiprocessing.connection import Connection
+from typing import Any
+
+import aiohttp
+import msgspec
+import psutil
+
+from shared import config as config_module
+from shared import messages
+from shared.keys import pair_key
+from shared.logs import log
+from shared.store import Store
+from shared.tls import TlsConfigError, client_context, server_context
+from workers.admission import WorkerAdmission
+from workers.context import SYSTEM, WorkerContext
+from workers.counters import Counters
+from workers.server import ReplicationServer
+from workers.session import PeerSession
+
+EXIT_OK = 0
+EXIT_BOOT_ERROR = 3
+HEARTBEAT_INTERVAL = 1.0
+IDLE_PROGRESS_INTERVAL = 5.0
+
+
+class BootError(Exception):
+    """The worker cannot start; the message says what to fix."""
+
+
+def worker_entry(worker_id: int, config_bytes: bytes, conn: Connection) -> None:
+    """Process target (spawn context)."""
+    _die_with_parent()
+    # Ctrl-C in a terminal reaches the whole process group; the coordinator drains the workers itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    config = config_module.decode(config_bytes)
+    log.configure(fmt=config.log.format, level=config.log.level, node=config.node.name, worker=worker_id)
+    fd = os.dup(conn.fileno())
+    conn.close()
+    worker = Worker(worker_id, config, fd)
+    try:
+        import uvloop  # type: ignore[import-not-found]
+    except ImportError:
+        sys.exit(asyncio.run(worker.run()))
+    sys.exit(uvloop.run(worker.run()))
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel to kill this worker when the coordinator dies, even by SIGKILL."""
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+class Worker:
+    def __init__(self, worker_id: int, config: config_module.Config, pipe_fd: int) -> None:
+        self.worker_id = worker_id
+        self.config = config
+        self._pipe_fd = pipe_fd
+        self._writer: asyncio.StreamWriter | None = None
+        self._sessions: dict[str, PeerSession] = {}
+        self._closing: set[PeerSession] = set()
+        self._session_ids = iter(range(os.getpid() * 1_000_000 + 1, sys.maxsize))
+        self._booted = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._shutdown_deadline = config.replication.shutdown_timeout
+        self._rng = random.Random()
+        self._process = psutil.Process()
+        self.ctx: WorkerContext | None = None
+        self._server: ReplicationServer | None = None
+        self._http: aiohttp.ClientSession | None = None
+        self._admission: WorkerAdmission | None = None
+
+    # -- pipe ------------------------------------------------------------------------------------------------
+
+    def report(self, message: msgspec.Struct) -> None:
+        if self._writer is not None and not self._writer.is_closing():
+            self._writer.write(messages.frame(message))
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(fileno=self._pipe_fd)
+        reader, self._writer = await asyncio.open_connection(sock=sock)
+        loop.add_signal_handler(signal.SIGTERM, self._stop.set)
+        self._admission = WorkerAdmission(self._ready, self._handle, loop=loop, rng=self._rng.random)
+        pipe_task = loop.create_task(self._read_pipe(reader))
+        try:
+            try:
+                await self._boot()
+            except BootError as exc:
+                log.error("worker_boot_failed", reason=str(exc))
+                self.report(messages.BootFailed(worker=self.worker_id, reason=str(exc)))
+                await self._drain_pipe()
+                return EXIT_BOOT_ERROR
+            self._booted.set()
+            self.report(messages.Ready(worker=self.worker_id, pid=os.getpid()))
+            log.info("worker_ready", pid=os.getpid())
+            heartbeat = loop.create_task(self._heartbeat())
+            stop = loop.create_task(self._stop.wait())
+            await asyncio.wait({stop, pipe_task}, return_when=asyncio.FIRST_COMPLETED)
+            heartbeat.cancel()
+            stop.cancel()
+            await asyncio.gather(heartbeat, stop, return_exceptions=True)
+            await self._shutdown()
+            return EXIT_OK
+        finally:
+            pipe_task.cancel()
+            await asyncio.gather(pipe_task, return_exceptions=True)
+            self._admission.close()
+            if self._writer is not None:
+                self._writer.close()
+
+    async def _drain_pipe(self) -> None:
+        if self._writer is not None:
+            with contextlib.suppress(ConnectionError, TimeoutError):
+                await asyncio.wait_for(self._writer.drain(), 2.0)
+
+    async def _read_pipe(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                message = await messages.read_to_worker(reader)
+                self._on_message(message)
+        except messages.PipeClosed:
+            # The coordinator is gone: nobody owns this worker any more.
+            log.warning("coordinator_gone")
+            self._shutdown_deadline = min(self._shutdown_deadline, 2.0)
+        except messages.PipeProtocolError as exc:
+            log.error("pipe_protocol_error", error=str(exc))
+
+    def _on_message(self, message: messages.ToWorker) -> None:
+        try:
+            self._dispatch(message)
+        except Exception as exc:
+            # One bad command must not end the pipe and with it the worker.
+            log.error("command_failed", command=type(message).__name__, error=repr(exc))
+
+    def _dispatch(self, message: messages.ToWorker) -> None:
+        assert self._admission is not None
+        match message:
+            case messages.Subscribe(key=key, database=database):
+                self._admission.submit(pair_key(key, database), "subscribe", message)
+            case messages.Unsubscribe(key=key, database=database):
+                self._admission.submit(pair_key(key, database), "unsubscribe", message)
+            case messages.ForceReconnect(key=key, database=database):
+                self._admission.submit(pair_key(key, database), "force_reconnect", message)
+            case messages.Reconfigure(config=data):
+                self.config = config_module.decode(data)
+                if self.ctx is not None:
+                    self.ctx.config = self.config
+                log.info("worker_reconfigured")
+            case messages.Shutdown(deadline=deadline):
+                self._shutdown_deadline = deadline
+                self._stop.set()
+
+    # -- boot and readiness ------------------------------------------------------------------------------------
+
+    async def _boot(self) -> None:
+        config = self.config
+        try:
+            directory = config_module.data_dir(config)
+            directory.mkdir(parents=True, exist_ok=True)
+            store = Store(directory, config.node.name)
+            store.database(SYSTEM, create=True)
+        except OSError as exc:
+            raise BootError(f"data directory {config_module.data_dir(config)}: {exc.strerror or exc}") from None
+        except Exception as exc:
+            raise BootError(f"cannot open the store: {exc}") from None
+        try:
+            tls = config.tls
+            ca = config_module.resolve_path(config, tls.ca)
+            cert = config_module.resolve_path(config, tls.cert)
+            key = config_module.resolve_path(config, tls.key)
+            server_ssl = server_context(ca, cert, key)
+            client_ssl = client_context(ca, cert, key)
+        except TlsConfigError as exc:
+            store.close()
+            raise BootError(str(exc)) from None
+        self.ctx = WorkerContext(
+            worker_id=self.worker_id,
+            config=config,
+            store=store,
+            counters=Counters(),
+            client_ssl=client_ssl,
+            report=self.report,
+        )
+        log.on_suppressed = lambda event, n: self.ctx.counters.inc(  # type: ignore[union-attr]
+            "replicator_log_events_suppressed_total", event, value=n
+        )
+        self._server = ReplicationServer(self.ctx, server_ssl)
+        try:
+            await self._server.start()
+        except OSError as exc:
+            await self._server.close()
+            store.close()
+            raise BootError(f"cannot listen on {config.listen.host}:{config.listen.port}: {exc.strerror}") from None
+        self._http = aiohttp.ClientSession()
+
+    async def _ready(self) -> None:
+        await self._booted.wait()
+        assert self.ctx is not None
+        # The store answers: a worker whose files are locked or gone is not ready to take subscriptions.
+        self.ctx.store.database(SYSTEM, create=True).last_seq()
+
+    # -- commands ----------------------------------------------------------------------------------------------
+
+    def _handle(self, action: str, message: Any) -> None:
+        assert self.ctx is not None and self._http is not None
+        pk = pair_key(message.key, message.database)
+        session = self._sessions.get(pk)
+        if action == "subscribe":
+            if session is None:
+                session = PeerSession(self.ctx, self._http, message, self._next_session_id, self._rng.random)
+                self._sessions[pk] = session
+                session.start()
+            else:
+                session.update(message)
+            self.report(
+                messages.SubscribeAccepted(
+                    key=message.key,
+                    database=message.database,
+                    dispatch=message.dispatch,
+                    catchup=message.catchup_after is not None,
+                )
+            )
+        elif action == "unsubscribe" and session is not None:
+            del self._sessions[pk]
+            self._retire(session)
+        elif action == "force_reconnect" and session is not None:
+            session.force_reconnect(message.session, message.reason or "forced by the coordinator")
+
+    def _retire(self, session: PeerSession, going_away: bool = False) -> None:
+        session.stop(going_away)
+        self._closing.add(session)
+        task = asyncio.get_running_loop().create_task(session.wait_closed())
+        task.add_done_callback(lambda _: self._closing.discard(session))
+
+    def _next_session_id(self) -> int:
+        return next(self._session_ids)
+
+    # -- heartbeat and shutdown --------------------------------------------------------------------------------
+
+    async def _heartbeat(self) -> None:
+        assert self.ctx is not None
+        loop = asyncio.get_running_loop()
+        last_idle_flush = loop.time()
+        while True:
+            now = loop.time()
+            idle_flush = now - last_idle_flush >= IDLE_PROGRESS_INTERVAL
+            if idle_flush:
+                last_idle_flush = now
+            for session in self._sessions.values():
+                if session.dirty or (idle_flush and session.connected):
+                    session.flush_progress()
+            log.flush()
+            self.report(
+                messages.Heartbeat(
+                    worker=self.worker_id,
+                    rss_bytes=self._process.memory_info().rss,
+                    counters=self.ctx.counters.drain(),
+                )
+            )
+            await asyncio.sleep(HEARTBEAT_INTERVAL)
+
+    async def _shutdown(self) -> None:
+        """Drain: close every session with going-away, commit what is applied, stop serving, within the deadline."""
+        log.info("worker_stopping", deadline_s=self._shutdown_deadline)
+        for session in list(self._sessions.values()):
+            self._retire(session, going_away=True)
+        self._sessions.clear()
+        pending = [s.wait_closed() for s in list(self._closing)]
+        closers = [*pending]
+        if self._server is not None:
+            closers.append(self._server.close())
+        try:
+            await asyncio.wait_for(asyncio.gather(*closers, return_exceptions=True), self._shutdown_deadline)
+        except TimeoutError:
+            log.warning("worker_drain_timeout", deadline_s=self._shutdown_deadline)
+        if self._http is not None:
+            await self._http.close()
+        if self.ctx is not None:
+            await self.ctx.feeds.close()
+            if self.ctx.counters is not None:
+                self.report(
+                    messages.Heartbeat(
+                        worker=self.worker_id,
+                        rss_bytes=self._process.memory_info().rss,
+                        counters=self.ctx.counters.drain(),
+                    )
+                )
+            self.ctx.store.close()
+        await self._drain_pipe()

@@ -1,0 +1,103 @@
+"""The worker's inbound server on the shared node port: `/replication` (WebSocket, mTLS) and the data API.
+
+Every worker binds the node port with SO_REUSEPORT, so the kernel spreads connections over the workers and a
+worker that dies takes only its own sessions with it.
+
+A replication peer must present a certificate from the cluster CA (the TLS layer checks the chain); the handler
+then requires that the certificate's name is a registered node (a `system.nodes` row or a configured peer) and that
+its serial is not revoked. Bad input from a peer closes that session with a reason; it never ends the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from typing import Any
+
+from aiohttp import web
+
+from shared import wire
+from shared.logs import log
+from shared.tls import peer_identity
+from workers import frames
+from workers.context import WorkerContext
+from workers.data_api import DataApi
+from workers.sender import Sender
+
+
+class ReplicationServer:
+    def __init__(self, ctx: WorkerContext, server_ssl: ssl.SSLContext) -> None:
+        self._ctx = ctx
+        self._ssl = server_ssl
+        self._runner: web.AppRunner | None = None
+        self._sockets: set[Any] = set()
+        app = web.Application(client_max_size=ctx.config.replication.max_frame_bytes)
+        app.router.add_get("/replication", self.replication)
+        app.router.add_routes(DataApi(ctx).routes())
+        self._app = app
+
+    async def start(self) -> None:
+        listen = self._ctx.config.listen
+        self._runner = web.AppRunner(self._app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, listen.host, listen.port, ssl_context=self._ssl, reuse_port=True)
+        await site.start()
+
+    async def close(self) -> None:
+        """Close every replication session with going-away, then stop serving."""
+        await asyncio.gather(
+            *(frames.close(ws, wire.CLOSE_GOING_AWAY, "node shutting down") for ws in list(self._sockets)),
+            return_exceptions=True,
+        )
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def _authorize(self, name: str, serial: str) -> str | None:
+        """None when the peer may subscribe, else the reason it may not."""
+        if name == self._ctx.node:
+            return f"certificate name {name!r} is this node's own"
+        static = any(peer.name == name for peer in self._ctx.config.peers)
+        row = self._ctx.registry().get(name)
+        if row is None and not static:
+            return f"certificate name {name!r} is not in the registry"
+        if row is not None and serial in row.revoked:
+            return f"certificate serial {serial} of {name!r} is revoked"
+        return None
+
+    async def replication(self, request: web.Request) -> web.StreamResponse:
+        transport = request.transport
+        ssl_object = transport.get_extra_info("ssl_object") if transport is not None else None
+        identity = peer_identity(ssl_object) if ssl_object is not None else None
+        if identity is None:
+            log.warning("send_auth_refused", peer="", database="", reason="no client certificate")
+            return web.Response(status=401, text="a client certificate from the cluster CA is required\n")
+        refusal = self._authorize(identity.name, identity.serial)
+        if refusal is not None:
+            log.warning("send_auth_refused", peer=identity.name, database="", reason=refusal)
+            return web.Response(status=403, text=refusal + "\n")
+        ws = web.WebSocketResponse(
+            protocols=[wire.SUBPROTOCOL],
+            max_msg_size=self._ctx.config.replication.max_frame_bytes,
+            heartbeat=20.0,
+        )
+        await ws.prepare(request)
+        if ws.ws_protocol != wire.SUBPROTOCOL:
+            await frames.close(ws, wire.CLOSE_POLICY, f"subprotocol {wire.SUBPROTOCOL} is required")
+            return ws
+        self._sockets.add(ws)
+        sender = Sender(self._ctx, ws, identity.name)
+        code, reason = wire.CLOSE_NORMAL, "session ended"
+        try:
+            await sender.run()
+        except wire.PeerClosed as exc:
+            code, reason = exc.code, exc.reason
+        except wire.SessionError as exc:
+            code, reason = exc.code, exc.reason
+            log.warning("session_rejected", peer=identity.name, database=sender.database, code=code, reason=exc.reason)
+        except wire.MalformedFrame as exc:
+            code, reason = exc.close_code, exc.reason
+            log.warning("session_rejected", peer=identity.name, database=sender.database, code=code, reason=reason)
+        finally:
+            self._sockets.discard(ws)
+            await frames.close(ws, code, reason)
+        return ws

@@ -1,0 +1,401 @@
+"""The subscribing end of a replication session: one PeerSession per (connection key, database).
+
+Lifecycle (`State`):
+
+    IDLE -> DIALING -> STREAMING -> WAITING -> DIALING ...      (the link drops: reconnect on the schedule)
+    any state -> CLOSED                                          (unsubscribe or worker shutdown; final)
+
+A session is one dial attempt and what follows it; each has its own session id, which the reports carry so the
+coordinator can tell a report from the monitored session from a stale one. Reconnects follow the one backoff
+schedule (floor 0.5 s, 0.5 -> 30 s, full jitter or equal), reset on the first frame sent on a new session. A force
+reconnect interrupts whatever the session is doing and schedules exactly one immediate reconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import random
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+
+from shared import messages, wire
+from shared.backoff import Backoff
+from shared.hlc import physical_seconds
+from shared.logs import log
+from workers import frames
+from workers.context import WorkerContext
+
+HANDSHAKE_TIMEOUT = 15.0
+DIAL_TIMEOUT = 15.0
+PROGRESS_INTERVAL = 0.5
+
+
+class State(enum.Enum):
+    IDLE = "idle"
+    DIALING = "dialing"
+    STREAMING = "streaming"
+    WAITING = "waiting"
+    CLOSED = "closed"
+
+
+_ALLOWED = {
+    State.IDLE: {State.DIALING, State.CLOSED},
+    State.DIALING: {State.STREAMING, State.WAITING, State.DIALING, State.CLOSED},
+    State.STREAMING: {State.WAITING, State.DIALING, State.CLOSED},
+    State.WAITING: {State.DIALING, State.CLOSED},
+    State.CLOSED: set(),
+}
+
+
+class PeerSession:
+    def __init__(
+        self,
+        ctx: WorkerContext,
+        http: aiohttp.ClientSession,
+        sub: messages.Subscribe,
+        new_session_id: Callable[[], int],
+        rng: Callable[[], float] = random.random,
+    ) -> None:
+        self._ctx = ctx
+        self._http = http
+        self.sub = sub
+        self._new_session_id = new_session_id
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._backoff = Backoff(
+            initial=0.5,
+            maximum=30.0,
+            floor=0.5,
+            jitter=ctx.config.replication.reconnect_jitter,
+            rng=rng,
+            clock=loop.time,
+        )
+        self.state = State.IDLE
+        self.session_id = 0
+        self.connected = False
+        self.last_error = ""
+        self.attempts = 0
+        self._forced = False
+        self._going_away = False
+        self._wake = asyncio.Event()
+        self._attempt: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[None] | None = None
+        # Progress, reported to the coordinator at most every PROGRESS_INTERVAL.
+        self.last_received_seq = 0
+        self.peer_head_seq = 0
+        self.lag_seconds = 0.0
+        self.applied = 0
+        self.copies = 0
+        self.copying = False
+        self._dirty = False
+        self._last_progress = 0.0
+
+    @property
+    def key(self) -> str:
+        return self.sub.key
+
+    @property
+    def database(self) -> str:
+        return self.sub.database
+
+    @property
+    def peer(self) -> str:
+        return self.sub.peer
+
+    def start(self) -> None:
+        self._task = self._loop.create_task(self._run(), name=f"session {self.peer}/{self.database}")
+
+    def _set_state(self, new: State) -> None:
+        if new not in _ALLOWED[self.state]:
+            raise RuntimeError(f"session {self.peer}/{self.database}: {self.state.value} -> {new.value}")
+        self.state = new
+
+    # -- commands from the coordinator -------------------------------------------------------------------
+
+    def update(self, sub: messages.Subscribe) -> bool:
+        """Take a newer subscribe for the same pair; True when it needs a new session to take effect."""
+        reconnect = sub.url != self.sub.url or sorted(sub.exclude) != sorted(self.sub.exclude)
+        if self.sub.catchup_after is not None and sub.catchup_after is None:
+            # The rider is the worker's until a session has carried it out.
+            sub.catchup_after = self.sub.catchup_after
+        self.sub = sub
+        if reconnect:
+            self.force_reconnect(None, "subscription changed")
+        return reconnect
+
+    def force_reconnect(self, session: int | None, reason: str) -> bool:
+        """Tear down the current attempt (if it is `session`, when given) and dial once, now."""
+        if self.state is State.CLOSED:
+            return False
+        if session is not None and session != self.session_id:
+            return False
+        if self._forced:
+            return True  # one reconnect is already scheduled
+        self._forced = True
+        self.last_error = reason or "forced reconnect"
+        if self._attempt is not None and not self._attempt.done():
+            self._attempt.cancel()
+        self._wake.set()
+        return True
+
+    def stop(self, going_away: bool = False) -> None:
+        """Unsubscribe: no live session may remain, whatever the session was doing (handshake included)."""
+        if self.state is State.CLOSED:
+            return
+        self._going_away = going_away
+        self._set_state(State.CLOSED)
+        if self._attempt is not None and not self._attempt.done():
+            self._attempt.cancel()
+        self._wake.set()
+
+    async def wait_closed(self) -> None:
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    # -- the session loop --------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while self.state is not State.CLOSED:
+            self.session_id = self._new_session_id()
+            self._set_state(State.DIALING)
+            attempt = self._loop.create_task(self._attempt_once(self.session_id))
+            self._attempt = attempt
+            await asyncio.wait({attempt})
+            self._attempt = None
+            error = self._outcome(attempt)
+            was_connected = self.connected
+            self.connected = False
+            if was_connected:
+                log.info(
+                    "session_disconnected",
+                    peer=self.peer,
+                    database=self.database,
+                    worker=self._ctx.worker_id,
+                    session=self.session_id,
+                    error=error,
+                )
+            if self.state is State.CLOSED:
+                self._report_disconnected(error, None)
+                break
+            if error:
+                self.last_error = error
+            if self._forced:
+                self._forced = False
+                delay = 0.0
+            else:
+                next_delay = self._backoff.next_delay()
+                assert next_delay is not None  # the reconnect schedule has no budget and no cap
+                delay = next_delay
+                self.attempts += 1
+                self._ctx.counters.inc("replicator_reconnect_attempts_total", self.peer)
+                log.info(
+                    "reconnect_scheduled",
+                    peer=self.peer,
+                    database=self.database,
+                    delay_s=round(delay, 4),
+                    attempt=self.attempts,
+                    error=error,
+                )
+            self._report_disconnected(error, delay)
+            if delay > 0:
+                self._set_state(State.WAITING)
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), delay)
+                except TimeoutError:
+                    pass
+                if self._forced:
+                    self._forced = False
+
+    def _outcome(self, attempt: asyncio.Task[None]) -> str:
+        if attempt.cancelled():
+            return "unsubscribed" if self.state is State.CLOSED else self.last_error or "forced reconnect"
+        exc = attempt.exception()
+        if exc is None:
+            return "session ended"
+        if isinstance(exc, wire.SessionError):
+            return exc.reason
+        if isinstance(exc, wire.MalformedFrame):
+            return exc.reason
+        if isinstance(exc, aiohttp.WSServerHandshakeError):
+            return f"refused by the peer: HTTP {exc.status} {exc.message}"
+        if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+            return f"TLS: {exc.certificate_error}"
+        if isinstance(exc, aiohttp.ClientError | OSError | TimeoutError):
+            return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        log.error("session_failed", peer=self.peer, database=self.database, error=repr(exc))
+        return f"internal error: {exc!r}"
+
+    def _report_disconnected(self, error: str, delay: float | None) -> None:
+        self._ctx.report(
+            messages.Disconnected(
+                key=self.key,
+                database=self.database,
+                worker=self._ctx.worker_id,
+                session=self.session_id,
+                error=error,
+                reconnect_in=delay,
+                attempts=self.attempts,
+            )
+        )
+
+    async def _dial(self) -> Any:
+        url = self.sub.url.rstrip("/") + "/replication"
+        return await self._http.ws_connect(
+            url,
+            protocols=[wire.SUBPROTOCOL],
+            ssl=self._ctx.client_ssl,
+            max_msg_size=self._ctx.config.replication.max_frame_bytes,
+            heartbeat=20.0,
+            timeout=aiohttp.ClientWSTimeout(ws_close=5.0),
+        )
+
+    async def _attempt_once(self, session: int) -> None:
+        # The dial runs in its own task so that a cancellation arriving just as the handshake completes cannot
+        # lose the socket: either the dial task is cancelled (aiohttp closes what it opened) or we get the
+        # WebSocket and close it ourselves below.
+        dial = self._loop.create_task(asyncio.wait_for(self._dial(), DIAL_TIMEOUT))
+        try:
+            ws = await asyncio.shield(dial)
+        except asyncio.CancelledError:
+            dial.cancel()
+            (outcome,) = await asyncio.gather(dial, return_exceptions=True)
+            if not isinstance(outcome, BaseException):
+                await frames.close(outcome, self._close_code(), "unsubscribed during the handshake")
+            raise
+        try:
+            await self._stream(ws, session)
+        finally:
+            await frames.close(ws, self._close_code(), self.last_error or "session ended")
+
+    def _close_code(self) -> int:
+        if self.state is State.CLOSED:
+            return wire.CLOSE_GOING_AWAY if self._going_away else wire.CLOSE_UNSUBSCRIBED
+        return wire.CLOSE_FORCED if self._forced else wire.CLOSE_NORMAL
+
+    async def _stream(self, ws: Any, session: int) -> None:
+        ctx = self._ctx
+        await frames.send(ws, wire.Hello(node=ctx.node, capabilities=wire.CAPABILITIES))
+        self._backoff.reset()
+        hello = await frames.expect(ws, wire.Hello, HANDSHAKE_TIMEOUT)
+        if hello.node != self.peer:
+            raise wire.Refused(f"dialled {self.peer!r} but the peer says it is {hello.node!r}")
+        db = ctx.database(self.database, create=True)
+        cursor = db.cursor(self.peer)
+        copy_pending = cursor is None or cursor.seq is None or cursor.copy_snapshot is not None
+        resume = None if copy_pending or cursor is None else cursor.seq
+        await frames.send(
+            ws,
+            wire.Subscribe(
+                database=self.database,
+                resume_seq=resume,
+                resume_version=cursor.version if cursor is not None and cursor.version else 0,
+                epoch=cursor.epoch if cursor is not None and cursor.epoch else "",
+                exclude=self.sub.exclude,
+                catchup_after=self.sub.catchup_after,
+            ),
+        )
+        schema = await frames.expect(ws, wire.Schema, HANDSHAKE_TIMEOUT)
+        epoch = schema.epoch
+        self.copies = cursor.copies if cursor is not None else 0
+        self.peer_head_seq = schema.head_seq
+        self.last_received_seq = resume or 0
+        self.copying = schema.copy
+        self.connected = True
+        self._set_state(State.STREAMING)
+        self.last_error = ""
+        log.info(
+            "session_connected",
+            peer=self.peer,
+            database=self.database,
+            worker=ctx.worker_id,
+            session=session,
+            copy=schema.copy,
+            resume_seq=resume,
+        )
+        ctx.report(
+            messages.Connected(
+                key=self.key,
+                database=self.database,
+                worker=ctx.worker_id,
+                session=session,
+                peer_head_seq=schema.head_seq,
+            )
+        )
+        self._report_progress(session, force=True)
+        labels = (self.database, self.peer)
+        while True:
+            message = await frames.receive(ws)
+            match message:
+                case wire.Batch(entries=entries, last_seq=last_seq, last_version=last_version, head_seq=head):
+                    applied = db.apply_batch(self.peer, entries, last_seq, last_version, epoch)
+                    self.applied += applied
+                    if applied:
+                        ctx.counters.inc("replicator_records_applied_total", *labels, value=applied)
+                        ctx.feeds.poke(self.database)
+                    if last_seq is None:
+                        await frames.send(ws, wire.Ack(seq=0))
+                    else:
+                        if self.sub.catchup_after is not None:
+                            self.sub.catchup_after = None  # the peer has served the self-catchup
+                        self.last_received_seq = last_seq
+                        self.peer_head_seq = max(head, last_seq)
+                        await frames.send(ws, wire.Ack(seq=last_seq))
+                    if self.last_received_seq >= self.peer_head_seq:
+                        self.lag_seconds = 0.0
+                    elif entries:
+                        self.lag_seconds = max(0.0, ctx.wall() - physical_seconds(entries[-1].version))
+                case wire.CopyStart(snapshot_seq=snapshot):
+                    db.begin_copy(self.peer, snapshot, epoch)
+                    self.copies += 1
+                    self.copying = True
+                    await frames.send(ws, wire.Ack(seq=0))
+                case wire.CopyBatch(table=table, records=records, last_id=last_id):
+                    applied = db.apply_copy_batch(self.peer, records, table, last_id)
+                    self.applied += applied
+                    if applied:
+                        ctx.counters.inc("replicator_records_applied_total", *labels, value=applied)
+                        ctx.feeds.poke(self.database)
+                    await frames.send(ws, wire.Ack(seq=0))
+                case wire.CopyComplete(snapshot_seq=snapshot, snapshot_version=snapshot_version):
+                    db.finish_copy(self.peer, snapshot, epoch, snapshot_version)
+                    self.copying = False
+                    self.last_received_seq = snapshot
+                    await frames.send(ws, wire.Ack(seq=snapshot))
+                case _:
+                    raise wire.ProtocolViolation(f"unexpected {type(message).__name__} from the sender")
+            self._dirty = True
+            # Copy boundaries are reported at once: they change what /status says about the pair.
+            self._report_progress(session, force=isinstance(message, wire.CopyStart | wire.CopyComplete))
+
+    def _report_progress(self, session: int, force: bool = False) -> None:
+        now = self._loop.time()
+        if not force and (not self._dirty or now - self._last_progress < PROGRESS_INTERVAL):
+            return
+        self.flush_progress(session)
+
+    def flush_progress(self, session: int | None = None) -> None:
+        """Send this session's progress now (the worker calls it periodically so idle sessions stay fresh)."""
+        self._dirty = False
+        self._last_progress = self._loop.time()
+        self._ctx.report(
+            messages.Progress(
+                key=self.key,
+                database=self.database,
+                worker=self._ctx.worker_id,
+                session=self.session_id if session is None else session,
+                last_received_seq=self.last_received_seq,
+                peer_head_seq=self.peer_head_seq,
+                lag_seconds=round(self.lag_seconds, 6),
+                applied=self.applied,
+                copies=self.copies,
+                copying=self.copying,
+            )
+        )
+
+    @property
+    def dirty(self) -> bool:
+        return self._dirty
