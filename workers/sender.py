@@ -77,10 +77,12 @@ class Sender:
     def _needs_copy(db: Database, sub: wire.Subscribe, head: int) -> bool:
         if sub.resume_seq is None or sub.epoch != db.epoch or sub.resume_seq > head:
             return True
+        if sub.resume_seq < db.first_seq() - 1:
+            return True  # the entries after the cursor were pruned: only a copy can bring the subscriber up
         if sub.resume_seq == 0:
             return False
         # The entry the cursor points at must still be the one the subscriber received; a log replaced from a
-        # backup reuses sequence numbers for other entries. A pruned entry cannot be checked and is trusted.
+        # backup reuses sequence numbers for other entries.
         version = db.entry_version_at(sub.resume_seq)
         return version is not None and sub.resume_version != 0 and version != sub.resume_version
 

@@ -24,7 +24,7 @@ async def test_concurrent_conflicting_writes_converge(mesh: LocalCluster) -> Non
 
     # Last-writer-wins picked the same winner everywhere, and it is the greatest (version, origin) written.
     written: dict[str, list[tuple[int, str]]] = {}
-    for (status, body), index in zip(results[3:], range(150), strict=True):
+    for (_, body), index in zip(results[3:], range(150), strict=True):
         k, name = divmod(index, 3)
         written.setdefault(f"shared-{k:02d}", []).append((body["version"], NAMES[name]))
     for record_id, candidates in list(written.items())[::7]:

@@ -15,8 +15,6 @@ from shared import wire
 from shared.tls import client_context, create_ca, issue_node_cert
 from tests.integration.conftest import wait_for
 
-pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
-
 
 def _context_with(ca_pem: Path, cert: Path, key: Path) -> ssl.SSLContext:
     context = ssl.create_default_context(cafile=str(ca_pem))

@@ -80,7 +80,7 @@ async def test_sigkill_loses_and_duplicates_nothing(make_cluster) -> None:  # ty
         batch_no = 0
         while not stop_writing.is_set():
             batch = [{"id": f"{name}-{batch_no:04d}-{i:03d}", "value": {"pad": "x" * 200}} for i in range(100)]
-            status, body = await cluster.data(name, "POST", "/data/kill/t", batch)
+            status, _ = await cluster.data(name, "POST", "/data/kill/t", batch)
             if status == 200:
                 acked.update((item["id"], 1) for item in batch)
             batch_no += 1
@@ -97,7 +97,7 @@ async def test_sigkill_loses_and_duplicates_nothing(make_cluster) -> None:  # ty
         cluster["c"].signal(signal.SIGKILL)
         cluster["c"].process.wait(10)
         # Its workers die with it (parent-death signal): nothing of the old node keeps the port or the files.
-        gone, alive = psutil.wait_procs(children, timeout=10)
+        _, alive = psutil.wait_procs(children, timeout=10)
         assert not alive
         await wait_for(lambda: len(acked) >= 4000, 30, "writes while c is down")
         cluster["c"].start()

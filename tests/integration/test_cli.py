@@ -1,0 +1,166 @@
+"""The command line as an operator meets it: config errors exit 2 naming the key, boot errors exit 3, init works."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from coordinator.local_cluster import free_ports
+from shared.tls import create_ca
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def replicator(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.fixture
+def node_config(tmp_path: Path) -> Path:
+    """A ready-to-run single node made with `certs ca` and `init`, as the README tells an operator."""
+    port, admin_port = free_ports(2)
+    assert replicator("certs", "ca", "--out", str(tmp_path / "ca")).returncode == 0
+    result = replicator(
+        "init",
+        "--name",
+        "solo",
+        "--url",
+        f"wss://127.0.0.1:{port}",
+        "--port",
+        str(port),
+        "--admin-port",
+        str(admin_port),
+        "--data",
+        str(tmp_path / "data"),
+        "--ca",
+        str(tmp_path / "ca"),
+        "--config",
+        str(tmp_path / "node" / "solo.toml"),
+        "--workers",
+        "1",
+    )
+    assert result.returncode == 0, result.stderr
+    return tmp_path / "node" / "solo.toml"
+
+
+def _edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text, text
+    path.write_text(text.replace(old, new, 1))
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "named"),
+    [
+        ("[node]\n", "[node]\nflavour = 1\n", "node.flavour"),
+        ('name = "solo"\n', "", "node.name"),
+        ("[listen]\nhost", "[listen]\nbogus = true\nhost", "listen.bogus"),
+    ],
+    ids=["unknown-key", "missing-name", "unknown-listen-key"],
+)
+def test_bad_config_exits_2_naming_the_key(node_config: Path, old: str, new: str, named: str) -> None:
+    _edit(node_config, old, new)
+    result = replicator("run", "--config", str(node_config))
+    assert result.returncode == 2
+    assert str(node_config) in result.stderr and named in result.stderr
+
+
+def test_bad_port_exits_2_naming_the_key(node_config: Path) -> None:
+    text = node_config.read_text()
+    port_line = next(line for line in text.splitlines() if line.startswith("port ="))
+    node_config.write_text(text.replace(port_line, "port = 99999"))
+    result = replicator("run", "--config", str(node_config))
+    assert result.returncode == 2 and "listen.port" in result.stderr and "99999" in result.stderr
+
+
+def test_environment_overrides_are_checked_too(node_config: Path) -> None:
+    result = replicator("run", "--config", str(node_config), env={"REPLICATOR_NODE_WORKERS": "many"})
+    assert result.returncode == 2 and "REPLICATOR_NODE_WORKERS" in result.stderr
+    result = replicator("run", "--config", str(node_config), env={"REPLICATOR_LISTEN_COLOUR": "blue"})
+    assert result.returncode == 2 and "listen.colour" in result.stderr
+
+
+def test_port_in_use_is_a_boot_error(node_config: Path) -> None:
+    port = next(int(line.split("=")[1]) for line in node_config.read_text().splitlines() if line.startswith("port ="))
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        result = replicator("run", "--config", str(node_config))
+    assert result.returncode == 3
+    assert f"127.0.0.1:{port} is in use" in result.stderr
+
+
+def test_unreadable_certificate_is_a_boot_error(node_config: Path) -> None:
+    (node_config.parent / "solo.key").unlink()
+    result = replicator("run", "--config", str(node_config))
+    assert result.returncode == 3 and "solo.key" in result.stderr
+
+
+def test_unwritable_data_directory_is_a_boot_error(node_config: Path, tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    text = node_config.read_text()
+    data_line = next(line for line in text.splitlines() if line.startswith("data_dir ="))
+    node_config.write_text(text.replace(data_line, f'data_dir = "{blocker}/data"'))
+    result = replicator("run", "--config", str(node_config))
+    assert result.returncode == 3 and "data directory" in result.stderr
+
+
+def test_init_then_run_serves_until_sigterm(node_config: Path) -> None:
+    admin_port = next(
+        int(line.split("=")[1]) for line in node_config.read_text().splitlines() if line.startswith("admin_port =")
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "run", "--config", str(node_config), "--log-format", "text"],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/readyz", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            assert process.poll() is None, "node exited before it was ready"
+            assert time.monotonic() < deadline, "node not ready in 60 s"
+            time.sleep(0.1)
+        process.send_signal(signal.SIGTERM)
+        _, errors = process.communicate(timeout=15)
+        assert process.returncode == 0
+        assert "node_stopped" in errors
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate()
+
+
+def test_demo_converges(tmp_path: Path) -> None:
+    result = replicator("demo", "--records", "300", "--dir", str(tmp_path / "demo"), timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "CONVERGED" in result.stdout
+
+
+def test_certs_node_names_bad_arguments(tmp_path: Path) -> None:
+    create_ca(tmp_path / "ca")
+    result = replicator("certs", "node", "--ca", str(tmp_path / "ca"), "--name", "bad name!", "--out", str(tmp_path))
+    assert result.returncode == 2 and "--name" in result.stderr
