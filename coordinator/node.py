@@ -16,6 +16,7 @@ import errno
 import random
 import signal
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +43,7 @@ EXIT_BOOT_ERROR = 3
 BOOT_TIMEOUT = 60.0
 REGISTRY_POLL = 0.2
 WATCHER_HEALTHY_UPTIME = 10.0
+PRUNE_INTERVAL = 60.0
 
 
 class BootError(Exception):
@@ -56,6 +58,7 @@ class Node:
         loop: asyncio.AbstractEventLoop | None = None,
         rng: Callable[[], float] | None = None,
         cli_workers: int | None = None,
+        supervisor: Supervisor | None = None,
     ) -> None:
         self.config = config
         # `run --workers N` wins over the file until the file's own node.workers changes.
@@ -63,14 +66,15 @@ class Node:
         self._file_workers = config.node.workers
         self.loop = loop or asyncio.get_event_loop()
         self.rng = rng or random.Random().random
+        self.wall = time.time
         self.map = ReplicationMap()
         self.metrics = Metrics(self)
         self.notifier = Notifier.from_environment()
         self.store: Store | None = None
-        self.supervisor = Supervisor(
+        self.supervisor = supervisor or Supervisor(
             lambda: config_module.encode(self.config),
-            self._on_worker_message,
-            self._on_worker_exit,
+            self.on_worker_message,
+            self.on_worker_exit,
             self._on_boot_error,
             loop=self.loop,
             rng=self.rng,
@@ -202,6 +206,7 @@ class Node:
         self._tasks.append(self.loop.create_task(self._registry_loop(), name="registry watcher"))
         self._tasks.append(self.loop.create_task(self._reconcile_loop(), name="reconcile"))
         self._tasks.append(self.loop.create_task(self.notifier.watchdog_loop(), name="watchdog"))
+        self._tasks.append(self.loop.create_task(self._prune_loop(), name="audit retention"))
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -395,7 +400,9 @@ class Node:
         return candidates[self._placements % len(candidates)]
 
     def _drop_pair(self, entry: Entry, database: str) -> None:
+        # The pair's state goes with it, so wanting the pair again starts every stamp over (stall stamp included).
         pair = entry.pairs.pop(database, None)
+        entry.disarm()
         self.scheduler.cancel(entry.url, database)
         self._drop_catchup_inflight(entry.key, database)
         if pair is None:
@@ -450,7 +457,7 @@ class Node:
 
     # -- worker reports -------------------------------------------------------------------------------------------
 
-    def _on_worker_message(self, slot: int, message: messages.ToCoordinator) -> None:
+    def on_worker_message(self, slot: int, message: messages.ToCoordinator) -> None:
         handle = self.supervisor.workers.get(slot)
         if handle is None:
             return
@@ -550,7 +557,7 @@ class Node:
         pair.copies = message.copies
         pair.copying = message.copying
 
-    def _on_worker_exit(self, handle: WorkerHandle) -> None:
+    def on_worker_exit(self, handle: WorkerHandle) -> None:
         for database, inflight in list(self._catchup_inflight.items()):
             if inflight[2] == handle.slot:
                 del self._catchup_inflight[database]
@@ -704,6 +711,32 @@ class Node:
                 key=entry.key, database=database, session=watch.session, reason="receive stalled: kicked"
             ),
         )
+
+    # -- audit retention ------------------------------------------------------------------------------------------
+
+    async def _prune_loop(self) -> None:
+        while True:
+            await asyncio.sleep(PRUNE_INTERVAL)
+            try:
+                self.prune_audit()
+            except Exception as exc:
+                log.warning("audit_prune_failed", error=repr(exc))
+
+    def prune_audit(self) -> int:
+        """Drop audit entries every subscriber confirmed, and those past the retention window.
+
+        The subscribers are the peers that ever acknowledged this database and the peers this node dials for it
+        (they dial back); a registered node that never subscribes holds nothing back beyond the window.
+        """
+        assert self.store is not None
+        deleted = 0
+        for name in self.store.names():
+            database = self.store.database(name)
+            peers = sorted(set(database.acks()) | set(self._direct_peers(name)))
+            deleted += database.prune_audit(peers, self.config.replication.audit_retention, self.wall())
+        if deleted:
+            log.info("audit_pruned", entries=deleted)
+        return deleted
 
     # -- reload ---------------------------------------------------------------------------------------------------
 

@@ -50,16 +50,6 @@ class PairState:
     # Set when a stall kick fired; no new kick until apply progress or another stall threshold.
     stall_kicked_at: float | None = None
 
-    def revive(self, now: float) -> None:
-        """The pair is wanted again after an unsubscribe: every timestamp starts over, the stall stamp included."""
-        self.created_at = now
-        self.connected = False
-        self.connected_at = None
-        self.disconnected_at = None
-        self.last_progress_at = None
-        self.stall = None
-        self.stall_kicked_at = None
-
     @property
     def behind(self) -> bool:
         return self.peer_head_seq > self.last_received_seq

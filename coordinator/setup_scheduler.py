@@ -137,6 +137,17 @@ class SetupScheduler:
         self.dispatched = 0
 
     @property
+    def stagger(self) -> float:
+        return self._stagger
+
+    @stagger.setter
+    def stagger(self, value: float) -> None:
+        """A reloaded configuration applies to sweeps started from now on."""
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < float("inf"):
+            raise ValueError(f"stagger must be a finite number of seconds >= 0, got {value!r}")
+        self._stagger = float(value)
+
+    @property
     def pending(self) -> int:
         """Setups armed and not yet fired."""
         return len(self._armed)

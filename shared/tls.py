@@ -225,16 +225,12 @@ def _check_files(ca: PathLike, cert: PathLike | None, key: PathLike | None) -> s
     return ca_data.decode("ascii", errors="replace")
 
 
-def _load_into(
-    context: ssl.SSLContext, ca: PathLike, ca_pem: str, cert: PathLike | None, key: PathLike | None
-) -> None:
+def _load_into(context: ssl.SSLContext, ca: PathLike, ca_pem: str, cert: PathLike | None, key: PathLike | None) -> None:
     # The checks above make these failures unlikely; they remain for what only OpenSSL rejects.
     try:
         context.load_verify_locations(cadata=ca_pem)
     except ssl.SSLError as exc:
-        raise TlsConfigError(
-            f"{_ca_file(ca)}: OpenSSL rejects the CA certificate: {exc.reason or exc}"
-        ) from None
+        raise TlsConfigError(f"{_ca_file(ca)}: OpenSSL rejects the CA certificate: {exc.reason or exc}") from None
     if cert is None:
         return
     try:
@@ -361,15 +357,11 @@ def _parse_certs(path: Path, data: bytes, what: str) -> list[x509.Certificate]:
 def _parse_key(path: Path, data: bytes) -> Any:
     match = _PEM_KEY_RE.search(data)
     if match is None:
-        raise TlsConfigError(
-            f"{path}: no PEM private key in the file (expected -----BEGIN ... PRIVATE KEY-----)"
-        )
+        raise TlsConfigError(f"{path}: no PEM private key in the file (expected -----BEGIN ... PRIVATE KEY-----)")
     try:
         return serialization.load_pem_private_key(match.group(0), password=None)
     except TypeError:
-        raise TlsConfigError(
-            f"{path}: the private key is encrypted; an unencrypted key is required"
-        ) from None
+        raise TlsConfigError(f"{path}: the private key is encrypted; an unencrypted key is required") from None
     except (ValueError, UnsupportedAlgorithm) as exc:
         raise TlsConfigError(f"{path}: unreadable private key: {exc}") from None
 
@@ -389,9 +381,7 @@ def _check_validity(path: Path, cert: x509.Certificate, what: str) -> None:
         )
 
 
-def _check_issued(
-    cert_path: Path, chain: list[x509.Certificate], ca_path: Path, cas: list[x509.Certificate]
-) -> None:
+def _check_issued(cert_path: Path, chain: list[x509.Certificate], ca_path: Path, cas: list[x509.Certificate]) -> None:
     """The chain in the certificate file (leaf first, then any intermediates) ends at a CA of the bundle; a
     node certificate from another cluster's CA would otherwise only show up as handshake failures at peers."""
     for child, parent in itertools.pairwise(chain):
@@ -417,9 +407,7 @@ def _ca_file(ca: PathLike) -> Path:
 
 
 def _public_der(public_key: Any) -> bytes:
-    return public_key.public_bytes(
-        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
+    return public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
 def _san_entries(hosts: Iterable[str]) -> list[x509.GeneralName]:
@@ -543,9 +531,7 @@ def _link_new(tmp: Path, path: Path) -> None:
         if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS):
             raise
         if path.exists():
-            raise FileExistsError(
-                f"{path}: already exists; refusing to overwrite it (remove it first)"
-            ) from None
+            raise FileExistsError(f"{path}: already exists; refusing to overwrite it (remove it first)") from None
         os.rename(tmp, path)
 
 

@@ -1,0 +1,403 @@
+"""The coordinator's decisions in virtual time: setups, re-drive timers, stall kicks, stale sweeps, self-catchup.
+
+The node runs on the virtual-time loop with a fake supervisor that records every message it would send to a
+worker, with the virtual time it was sent at. No process, no socket.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from coordinator.node import Node
+from coordinator.registry import NodeView
+from coordinator.replication_map import PairState, StallWatch, should_fire_stall_kick
+from shared import messages
+from shared.config import from_mapping
+from shared.keys import connection_key
+from tests.unit.fakeloop import VirtualTimeLoop
+
+STAGGER = 0.05
+WEDGE = 30.0
+STALL = 900.0
+
+
+@dataclass
+class FakeHandle:
+    slot: int
+    alive: bool = True
+    ready: bool = True
+    retiring: bool = False
+    restarts: int = 0
+    pid: int = 0
+    rss_bytes: int = 0
+    exit_code: int | None = None
+    boot_error: str = ""
+    last_heartbeat: float = 0.0
+
+
+@dataclass
+class FakeSupervisor:
+    loop: VirtualTimeLoop
+    slots: int = 2
+    deliver: bool = True
+    sent: list[tuple[float, int, Any]] = field(default_factory=list)
+    respawns: int = 0
+
+    def __post_init__(self) -> None:
+        self.workers = {slot: FakeHandle(slot) for slot in range(self.slots)}
+
+    def live(self) -> list[int]:
+        return [s for s, w in sorted(self.workers.items()) if w.alive and w.ready and not w.retiring]
+
+    def is_live(self, slot: int | None) -> bool:
+        worker = self.workers.get(slot) if slot is not None else None
+        return worker is not None and worker.alive and not worker.retiring
+
+    def all_ready(self) -> bool:
+        return all(w.alive and w.ready for w in self.workers.values())
+
+    def send(self, slot: int, message: Any) -> bool:
+        if not self.deliver or not self.is_live(slot):
+            return False
+        self.sent.append((self.loop.time(), slot, message))
+        return True
+
+    def kill(self, slot: int) -> None:
+        self.workers[slot].alive = False
+
+    def of(self, kind: type) -> list[tuple[float, int, Any]]:
+        return [item for item in self.sent if isinstance(item[2], kind)]
+
+
+def make_node(loop: VirtualTimeLoop, rng: Any = None, slots: int = 2) -> tuple[Node, FakeSupervisor]:
+    config = from_mapping(
+        {
+            "node": {"name": "self", "url": "wss://127.0.0.1:1000"},
+            "replication": {
+                "stagger": STAGGER,
+                "wedge_threshold": WEDGE,
+                "stall_threshold": STALL,
+                "heartbeat_timeout": 1e9,
+            },
+        },
+        "",
+    )
+    supervisor = FakeSupervisor(loop, slots)
+    node = Node(config, loop=loop, rng=rng or (lambda: 0.5), supervisor=supervisor)  # type: ignore[arg-type]
+    return node, supervisor
+
+
+def peer(name: str, port: int, holds: tuple[str, ...] = ("db",), leader: bool = False, version: int = 1) -> NodeView:
+    return NodeView(name=name, url=f"wss://127.0.0.1:{port}", holds=holds, leader=leader, static=True, version=version)
+
+
+def add(node: Node, view: NodeView) -> None:
+    node.views[view.name] = view
+    node.on_node_update(view)
+
+
+def connect(node: Node, view: NodeView, database: str, worker: int, session: int) -> None:
+    node.on_worker_message(
+        worker,
+        messages.Connected(key=connection_key(view.url), database=database, worker=worker, session=session),
+    )
+
+
+# -- setup and leadership ------------------------------------------------------------------------------------------
+
+
+def test_a_storm_of_node_updates_dispatches_the_newest_payload_on_the_schedule(loop: VirtualTimeLoop) -> None:
+    node, supervisor = make_node(loop)
+    for i in range(6000):
+        loop.advance_to(i * 0.01)
+        add(node, peer("b", 2000, leader=i % 2 == 1, version=i + 1))
+    loop.advance_to(60.0)
+    dispatched = [(t, m) for t, _, m in supervisor.of(messages.Subscribe) if m.database == "db"]
+    assert [round(t, 2) for t, _ in dispatched] == [0.3, 0.8, 1.7, 3.4, 6.7, 13.2, 26.1, 41.2, 56.3]
+    # Leadership is recomputed from the latest node state on every update, never carried forward.
+    for when, message in dispatched:
+        latest = round(when / 0.01) - 1
+        assert message.leader == (latest % 2 == 1)
+    assert node.scheduler.pending <= 2  # one per pair: db and system
+
+
+def test_a_connect_report_resets_the_delay_and_cancels_nothing(loop: VirtualTimeLoop) -> None:
+    node, supervisor = make_node(loop)
+    view = peer("b", 2000)
+    add(node, view)
+    assert node.scheduler.is_armed(view.url, "db")
+    connect(node, view, "db", worker=0, session=7)
+    assert node.scheduler.is_armed(view.url, "db")
+    loop.advance(1.0)
+    assert any(m.database == "db" for _, _, m in supervisor.of(messages.Subscribe))
+
+
+def test_exclusions_name_this_node_and_the_other_direct_peers(loop: VirtualTimeLoop) -> None:
+    node, supervisor = make_node(loop)
+    add(node, peer("b", 2000))
+    add(node, peer("c", 3000))
+    node.on_node_update(node.views["b"], event=False)
+    loop.advance(1.0)
+    latest = {(m.peer, m.database): m for _, _, m in supervisor.of(messages.Subscribe)}
+    assert latest[("b", "db")].exclude == ["c", "self"]
+    assert latest[("c", "db")].exclude == ["b", "self"]
+
+
+# -- the re-drive timer and its five disarm points -----------------------------------------------------------------
+
+
+def _wedged(loop: VirtualTimeLoop) -> tuple[Node, FakeSupervisor, NodeView]:
+    node, supervisor = make_node(loop)
+    view = peer("b", 2000)
+    add(node, view)
+    loop.advance(1.0)
+    entry = node.map.by_peer("b")
+    assert entry is not None
+    for database in ("system", "db"):
+        accepted = messages.SubscribeAccepted(key=entry.key, database=database, dispatch=1, catchup=False)
+        node.on_worker_message(entry.worker, accepted)
+    loop.advance_to(WEDGE + 1.0)
+    node.reconcile()
+    entry = node.map.by_peer("b")
+    assert entry is not None and entry.redrive is not None and entry.redrive_kind == "wedge"
+    return node, supervisor, view
+
+
+def _force_reconnects(supervisor: FakeSupervisor, key: str) -> list[Any]:
+    return [m for _, _, m in supervisor.of(messages.ForceReconnect) if m.key == key]
+
+
+def test_wedged_pair_is_redriven_by_its_owned_timer(loop: VirtualTimeLoop) -> None:
+    node, supervisor, view = _wedged(loop)
+    loop.advance(0.3 + 0.01)  # one draw of 0.5 in [0.2, 0.4): 0.3 s
+    assert len(_force_reconnects(supervisor, connection_key(view.url))) == 2  # system and db
+    assert node.redrives["wedge"] == 2
+    assert node.map.by_peer("b").redrive is None  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("point", ["unsubscribe", "node_deletion", "worker_exit", "entry_replacement", "url_migration"])
+def test_the_redrive_timer_is_disarmed(loop: VirtualTimeLoop, point: str) -> None:
+    node, supervisor, view = _wedged(loop)
+    old_key = connection_key(view.url)
+    entry = node.map.by_peer("b")
+    assert entry is not None
+    timer = entry.redrive
+    if point == "unsubscribe":
+        add(node, peer("b", 2000, holds=(), version=2))  # db no longer wanted
+    elif point == "node_deletion":
+        del node.views["b"]
+        node.on_node_removed("b")
+    elif point == "worker_exit":
+        supervisor.workers[entry.worker].alive = False
+        node.on_worker_exit(supervisor.workers[entry.worker])  # type: ignore[arg-type]
+    elif point == "entry_replacement":
+        supervisor.workers[entry.worker].alive = False
+        node.on_database(node.views["b"], "db")
+    elif point == "url_migration":
+        add(node, peer("b", 2001, version=2))
+    assert entry.redrive is None and timer.cancelled()
+    loop.advance(5.0)
+    assert _force_reconnects(supervisor, old_key) == []
+
+
+def test_a_url_migration_never_reaches_the_old_address(loop: VirtualTimeLoop) -> None:
+    node, supervisor, view = _wedged(loop)
+    old_key = connection_key(view.url)
+    add(node, peer("b", 2001, version=2))
+    before = len(supervisor.sent)
+    loop.advance(120.0)
+    node.reconcile()
+    loop.advance(120.0)
+    later = supervisor.sent[before:]
+    assert not [m for _, _, m in later if getattr(m, "key", None) == old_key]
+    assert {m.url for _, _, m in later if isinstance(m, messages.Subscribe)} == {"wss://127.0.0.1:2001"}
+    assert not node.scheduler.is_armed(view.url, "db")
+
+
+# -- stall kicks ---------------------------------------------------------------------------------------------------
+
+
+def _pair(worker: int = 0, session: int = 1, received: int = 10, head: int = 20) -> PairState:
+    pair = PairState(database="db", payload=messages.Subscribe(key="k", peer="b", url="u", database="db"), created_at=0)
+    pair.connected, pair.worker, pair.session = True, worker, session
+    pair.last_received_seq, pair.peer_head_seq = received, head
+    return pair
+
+
+def test_stall_kick_decision_matrix() -> None:
+    watch = StallWatch(worker=0, session=1, detected_at=0.0, seq=10)
+    pair = _pair()
+    pair.stall = watch
+    assert should_fire_stall_kick(pair, watch)  # still stalled
+    assert not should_fire_stall_kick(None, watch)  # pair gone
+    released = _pair()
+    assert not should_fire_stall_kick(released, watch)  # the monitored session released it
+    progressed = _pair(received=11)
+    progressed.stall = watch
+    assert not should_fire_stall_kick(progressed, watch)
+    caught_up = _pair(received=20, head=20)
+    caught_up.stall = watch
+    assert not should_fire_stall_kick(caught_up, watch)
+    other_session = _pair(worker=1, session=99, received=500, head=500)
+    other_session.stall = watch
+    assert should_fire_stall_kick(other_session, watch)  # another session's report neither cancels nor releases
+
+
+def _stalled(loop: VirtualTimeLoop) -> tuple[Node, FakeSupervisor, NodeView]:
+    node, supervisor = make_node(loop)
+    view = peer("b", 2000)
+    add(node, view)
+    connect(node, view, "system", worker=0, session=40)
+    connect(node, view, "db", worker=0, session=41)
+    key = connection_key(view.url)
+    progress = messages.Progress(
+        key=key, database="db", worker=0, session=41, last_received_seq=10, peer_head_seq=50,
+        lag_seconds=3.0, applied=10, copies=0,
+    )  # fmt: skip
+    node.on_worker_message(0, progress)
+    loop.advance_to(STALL + 1.0)
+    node.reconcile()
+    entry = node.map.by_peer("b")
+    assert entry is not None and entry.redrive_kind == "stall"
+    return node, supervisor, view
+
+
+def test_a_stalled_session_is_kicked_scoped_to_that_session(loop: VirtualTimeLoop) -> None:
+    node, supervisor, view = _stalled(loop)
+    loop.advance(1.0)
+    kicks = _force_reconnects(supervisor, connection_key(view.url))
+    assert [(k.database, k.session) for k in kicks] == [("db", 41)]
+    assert node.redrives["stall"] == 1
+
+
+def test_a_connect_report_from_another_session_does_not_cancel_the_kick(loop: VirtualTimeLoop) -> None:
+    node, supervisor, view = _stalled(loop)
+    connect(node, view, "db", worker=1, session=77)
+    loop.advance(1.0)
+    kicks = _force_reconnects(supervisor, connection_key(view.url))
+    assert [(k.database, k.session) for k in kicks] == [("db", 41)]
+    assert [slot for _, slot, m in supervisor.of(messages.ForceReconnect)] == [0]
+
+
+def test_progress_from_the_monitored_session_releases_the_kick(loop: VirtualTimeLoop) -> None:
+    node, supervisor, view = _stalled(loop)
+    node.on_worker_message(
+        0,
+        messages.Progress(
+            key=connection_key(view.url),
+            database="db",
+            worker=0,
+            session=41,
+            last_received_seq=11,
+            peer_head_seq=50,
+            lag_seconds=1.0,
+            applied=11,
+            copies=0,
+        ),
+    )
+    loop.advance(1.0)
+    assert _force_reconnects(supervisor, connection_key(view.url)) == []
+
+
+def test_the_monitored_session_ending_releases_the_kick(loop: VirtualTimeLoop) -> None:
+    node, supervisor, view = _stalled(loop)
+    node.on_worker_message(
+        0, messages.Disconnected(key=connection_key(view.url), database="db", worker=0, session=41, error="gone")
+    )
+    loop.advance(1.0)
+    assert _force_reconnects(supervisor, connection_key(view.url)) == []
+
+
+def test_revived_pair_starts_with_a_clean_stall_stamp(loop: VirtualTimeLoop) -> None:
+    node, _, view = _stalled(loop)
+    add(node, peer("b", 2000, holds=(), version=2))  # unsubscribe db
+    add(node, peer("b", 2000, holds=("db",), version=3))  # and want it again
+    pair = node.map.pair(connection_key(view.url), "db")
+    assert pair is not None
+    assert pair.stall is None and pair.stall_kicked_at is None and pair.last_progress_at is None
+    assert pair.created_at == loop.time() and not pair.connected
+
+
+# -- stale-worker reassignment --------------------------------------------------------------------------------------
+
+
+def test_a_dead_workers_pairs_move_in_one_sweep_spaced_by_the_stagger(loop: VirtualTimeLoop) -> None:
+    draws = iter([0.999, 0.0, 0.5, 0.1, 0.9, 0.3, 0.7, 0.2] * 100)
+    node, supervisor = make_node(loop, rng=lambda: next(draws), slots=3)
+    views = [peer(f"p{i}", 2000 + i) for i in range(8)]
+    for view in views:
+        add(node, view)
+    loop.advance(2.0)
+    for view in views:  # the pairs are up; some pairs had escalated schedules first
+        for database in ("system", "db"):
+            entry = node.map.by_peer(view.name)
+            assert entry is not None
+            connect(node, view, database, worker=entry.worker, session=1)
+    victim = node.map.by_peer("p0").worker  # type: ignore[union-attr]
+    moved = [v for v in views if node.map.by_peer(v.name).worker == victim]  # type: ignore[union-attr]
+    assert len(moved) >= 2
+    supervisor.sent.clear()
+    supervisor.workers[victim].alive = False
+    node.on_worker_exit(supervisor.workers[victim])  # type: ignore[arg-type]
+    loop.advance(40.0)
+    times = sorted(t for t, slot, m in supervisor.of(messages.Subscribe))
+    assert len(times) == 2 * len(moved)
+    assert all(b - a >= STAGGER - 1e-9 for a, b in itertools.pairwise(times))
+    assert all(slot != victim for _, slot, _ in supervisor.of(messages.Subscribe))
+    assert node.reassignments == 2 * len(moved)
+
+
+# -- self-catchup ----------------------------------------------------------------------------------------------------
+
+
+def _catchups(supervisor: FakeSupervisor) -> list[tuple[str, int | None]]:
+    return [(m.peer, m.catchup_after) for _, _, m in supervisor.of(messages.Subscribe) if m.database == "db"]
+
+
+def test_the_self_catchup_rider_is_consumed_only_when_a_worker_accepts_it(loop: VirtualTimeLoop) -> None:
+    node, supervisor = make_node(loop)
+    node.catchup = {"db": 42}
+    b, c = peer("b", 2000), peer("c", 3000)
+    supervisor.deliver = False  # a failed pipe write does not consume it
+    add(node, b)
+    loop.advance(1.0)
+    assert _catchups(supervisor) == []
+    supervisor.deliver = True
+    add(node, peer("b", 2000, version=2))
+    loop.advance(1.0)
+    assert _catchups(supervisor) == [("b", 42)]
+    add(node, c)  # one peer per database: c is not asked while b's request is in flight
+    loop.advance(1.0)
+    assert _catchups(supervisor)[-1] == ("c", None)
+    # The worker died before accepting: the request is not lost.
+    entry = node.map.by_peer("b")
+    assert entry is not None
+    supervisor.workers[entry.worker].alive = False
+    node.on_worker_exit(supervisor.workers[entry.worker])  # type: ignore[arg-type]
+    loop.advance(2.0)
+    retried = [(p, after) for p, after in _catchups(supervisor) if after == 42]
+    assert len(retried) == 2
+    last = [m for _, _, m in supervisor.of(messages.Subscribe) if m.catchup_after == 42][-1]
+    node.on_worker_message(
+        0, messages.SubscribeAccepted(key=last.key, database="db", dispatch=last.dispatch, catchup=True)
+    )
+    assert node.catchup == {}
+    add(node, peer("c", 3000, version=5))
+    loop.advance(2.0)
+    assert all(after is None for _, after in _catchups(supervisor)[-1:])
+
+
+def test_a_cancelled_pair_does_not_take_the_rider_with_it(loop: VirtualTimeLoop) -> None:
+    node, supervisor = make_node(loop)
+    node.catchup = {"db": 7}
+    add(node, peer("b", 2000))
+    loop.advance(1.0)
+    assert _catchups(supervisor) == [("b", 7)]
+    add(node, peer("b", 2000, holds=(), version=2))  # unsubscribed before the worker accepted
+    add(node, peer("c", 3000))
+    loop.advance(1.0)
+    assert _catchups(supervisor)[-1] == ("c", 7)
