@@ -50,6 +50,7 @@ class LocalNode:
         self.log_path = self.dir / "node.log"
         self.process: subprocess.Popen[bytes] | None = None
         self.peers: list[str] = []
+        self.outside_peers: dict[str, str] = {}  # name -> url of peers that are not nodes of this cluster
         self.extra: dict[str, dict[str, Any]] = {}
 
     @property
@@ -80,9 +81,9 @@ class LocalNode:
             lines.append(f"[{section}]")
             lines.extend(f"{key} = {_toml(value)}" for key, value in values.items())
             lines.append("")
-        for peer in self.peers:
-            other = self.cluster.nodes[peer]
-            lines += ["[[peers]]", f"name = {_toml(peer)}", f"url = {_toml(other.url)}", ""]
+        routes = {peer: self.cluster.nodes[peer].url for peer in self.peers} | self.outside_peers
+        for peer, url in routes.items():
+            lines += ["[[peers]]", f"name = {_toml(peer)}", f"url = {_toml(url)}", ""]
         self.config_path.write_text("\n".join(lines))
 
     def start(self, env: dict[str, str] | None = None, args: Iterable[str] = ()) -> None:
@@ -331,4 +332,6 @@ def _toml(value: Any) -> str:
         return json.dumps(value)
     if isinstance(value, list):
         return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {value!r} as TOML")

@@ -67,6 +67,9 @@ class ReplicationSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     # Sender flow control: batches sent and not yet acknowledged.
     window: int = 8
     audit_retention: float = 7 * 24 * 3600.0
+    # Peer host names pinned to addresses, checked before DNS; resolve = "hosts" consults nothing else.
+    hosts: dict[str, str] = msgspec.field(default_factory=dict)
+    resolve: Literal["system", "hosts"] = "system"
 
 
 class PeerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -167,8 +170,10 @@ def _parse_env_value(var: str, text: str, annotation: Any) -> Any:
             return int(text)
         if annotation is float:
             return float(text)
-        # list[str]: a JSON array, or names separated by commas
         stripped = text.strip()
+        if getattr(annotation, "__origin__", None) is dict:
+            return json.loads(stripped)  # a JSON object
+        # list[str]: a JSON array, or names separated by commas
         if stripped.startswith("["):
             return json.loads(stripped)
         return [part.strip() for part in stripped.split(",") if part.strip()]

@@ -32,6 +32,7 @@ from shared.tls import TlsConfigError, client_context, server_context
 from workers.admission import WorkerAdmission
 from workers.context import SYSTEM, WorkerContext
 from workers.counters import Counters
+from workers.resolver import PinnedResolver
 from workers.server import ReplicationServer
 from workers.session import PeerSession
 
@@ -215,7 +216,9 @@ class Worker:
             await self._server.close()
             store.close()
             raise BootError(f"cannot listen on {config.listen.host}:{config.listen.port}: {exc.strerror}") from None
-        self._http = aiohttp.ClientSession()
+        rep = config.replication
+        resolver = PinnedResolver(rep.hosts, use_dns=rep.resolve == "system")
+        self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(resolver=resolver))
 
     async def _ready(self) -> None:
         await self._booted.wait()

@@ -224,6 +224,9 @@ class PeerSession:
             return f"refused by the peer: HTTP {exc.status} {exc.message}"
         if isinstance(exc, aiohttp.ClientConnectorCertificateError):
             return f"TLS: {exc.certificate_error}"
+        if isinstance(exc, aiohttp.ClientConnectorError):
+            reason = exc.os_error.strerror or str(exc.os_error) or type(exc.os_error).__name__
+            return f"cannot connect to {exc.host}:{exc.port}: {reason}"
         if isinstance(exc, aiohttp.ClientError | OSError | TimeoutError):
             return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         log.error("session_failed", peer=self.peer, database=self.database, error=repr(exc))

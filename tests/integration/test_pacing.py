@@ -1,0 +1,144 @@
+"""Pacing with real processes: a setup storm stays bounded, a dead worker's pairs move on the stagger ladder, a dead
+peer is redialled within the backoff's bounds."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import signal
+import time
+
+import psutil
+import pytest
+
+from coordinator.local_cluster import LocalCluster, free_ports
+from tests.integration.conftest import wait_for
+
+GHOST = "wss://ghost.invalid:9"
+
+
+def _rss(cluster: LocalCluster, name: str) -> int:
+    process = psutil.Process(cluster[name].process.pid)  # type: ignore[union-attr]
+    return sum(p.memory_info().rss for p in [process, *process.children(recursive=True)])
+
+
+@pytest.mark.timeout(180)
+async def test_unresolvable_peer_and_a_node_update_storm_stay_bounded(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    # resolve = "hosts": the name fails to resolve at once and no DNS query leaves the machine.
+    cluster = make_cluster(["a"], workers=1, replication={"shutdown_timeout": 8.0, "resolve": "hosts"})
+    cluster["a"].outside_peers = {"ghost": GHOST}
+    cluster.start()
+    try:
+        await cluster.wait_ready()
+        await wait_for(lambda: cluster["a"].events("reconnect_scheduled"), 20, "the first failed dial to ghost")
+        await asyncio.sleep(3.0)  # let the first imports and buffers settle before the baseline
+        baseline = _rss(cluster, "a")
+        started = time.time()
+        # 1,000 node-update events for the peer, spread over a minute.
+        for i in range(1000):
+            status, _ = await cluster.admin_request("a", "PUT", "/nodes/ghost", {"url": GHOST, "replicates": False})
+            assert status == 200
+            delay = started + (i + 1) * 0.06 - time.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+        ended = time.time()
+        grown = _rss(cluster, "a") - baseline
+        armed = [
+            e
+            for e in cluster["a"].events("subscription_setup_armed")
+            if e["peer"] == "ghost" and started <= e["ts"] <= ended
+        ]
+        # About 9 on average with random draws; the behaviour before the paced scheduler logged one per event.
+        assert 1 <= len(armed) <= 20, len(armed)
+        assert grown < 16 * 2**20, f"memory grew by {grown / 2**20:.1f} MiB"
+        status, body = await cluster.admin("a", "/status")
+        ghost = next(c for c in body["connections"] if c["peer"] == "ghost")
+        assert not ghost["databases"][0]["connected"]
+        assert "ghost.invalid" in (ghost["databases"][0]["last_error"] or "")
+    finally:
+        await cluster.close()
+
+
+async def test_a_killed_workers_pairs_reconnect_on_the_stagger_ladder(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    stagger = 0.2
+    cluster = make_cluster(["a", "b"], workers=2, replication={"reconcile_interval": 1.0, "stagger": stagger})
+    cluster["b"].extra = {"node": {"workers": 1}}
+    cluster.start()
+    try:
+        await cluster.wait_ready()
+        databases = [f"db{i}" for i in range(1, 6)]
+        for database in databases:
+            assert (await cluster.data("b", "PUT", f"/data/{database}/t/before", {"ok": True}))[0] == 200
+
+        async def six_pairs_up() -> dict | None:
+            _, body = await cluster.admin("a", "/status")
+            for connection in body["connections"]:
+                if connection["peer"] == "b":
+                    pairs = connection["databases"]
+                    if len(pairs) == 6 and all(p["connected"] for p in pairs):
+                        return connection
+            return None
+
+        connection = await wait_for(six_pairs_up, 60, "a's six pairs with b")
+        victim = connection["worker"]
+        _, body = await cluster.admin("a", "/status")
+        pid = next(w["pid"] for w in body["workers"] if w["id"] == victim)
+        killed_at = time.time()
+        psutil.Process(pid).send_signal(signal.SIGKILL)
+
+        async def all_back() -> bool:
+            found = await six_pairs_up()
+            return found is not None and found["worker"] != victim
+
+        await wait_for(all_back, 60, "the six pairs connected on a live worker")
+        dispatched = sorted(
+            e["ts"]
+            for e in cluster["a"].events("subscription_setup_dispatched")
+            if e["peer"] == "b" and e["ts"] > killed_at
+        )
+        assert len(dispatched) >= 6
+        gaps = [b - a for a, b in itertools.pairwise(dispatched[:6])]
+        # Timers never fire early; a loop busy for a moment can fire one late, hence the margin below the stagger.
+        assert min(gaps) >= 0.75 * stagger, gaps
+        reassigned = [e for e in cluster["a"].events("stale_reassigned") if e["ts"] > killed_at]
+        assert len(reassigned) == 6 and all(e["worker"] != victim for e in reassigned)
+
+        for database in databases:
+            assert (await cluster.data("b", "PUT", f"/data/{database}/t/after", {"ok": True}))[0] == 200
+        for database in databases:
+            await cluster.wait_converged(database, timeout=30, expect_count=2)
+
+        async def replaced_once() -> bool:
+            _, body = await cluster.admin("a", "/status")
+            worker = next(w for w in body["workers"] if w["id"] == victim)
+            return worker["ready"] and worker["restarts"] == 1
+
+        await wait_for(replaced_once, 30, "the killed worker replaced")
+        started = [e for e in cluster["a"].events("worker_started") if e["worker"] == victim]
+        assert len(started) == 2
+        exited = [e for e in cluster["a"].events("worker_exited") if e["worker"] == victim]
+        assert [e["code"] for e in exited] == [-signal.SIGKILL]
+    finally:
+        await cluster.close()
+
+
+@pytest.mark.parametrize("jitter", ["full", "equal"])
+async def test_a_dead_peer_is_redialled_within_the_backoff_bounds(make_cluster, jitter: str) -> None:  # type: ignore[no-untyped-def]
+    (port,) = free_ports(1)  # nothing listens there: every dial is refused
+    cluster = make_cluster(["a"], workers=1, replication={"shutdown_timeout": 8.0, "reconnect_jitter": jitter})
+    cluster["a"].outside_peers = {"dead": f"wss://127.0.0.1:{port}"}
+    cluster.start()
+    try:
+        await cluster.wait_ready()
+
+        def scheduled() -> list[dict]:
+            return [e for e in cluster["a"].events("reconnect_scheduled") if e["peer"] == "dead"]
+
+        await wait_for(lambda: len(scheduled()) >= 5, 40, "five redials of the dead peer", interval=0.2)
+        for event in scheduled():
+            ceiling = min(0.5 * 2 ** (event["attempt"] - 1), 30.0)
+            low = 0.5 if jitter == "full" else max(0.5, ceiling / 2)
+            assert low <= event["delay_s"] <= ceiling, event
+        assert [e["attempt"] for e in scheduled()][:5] == [1, 2, 3, 4, 5]
+    finally:
+        await cluster.close()
