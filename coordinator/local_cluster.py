@@ -296,8 +296,11 @@ class LocalCluster:
                 raise TimeoutError(f"{database} did not converge in {timeout} s: {json.dumps(digests)[:2000]}")
             await asyncio.sleep(0.1)
 
-    async def wait_connected(self, names: Iterable[str] | None = None, timeout: float = 60.0) -> None:
-        """Wait until every pair each node wants is connected."""
+    async def wait_connected(
+        self, names: Iterable[str] | None = None, timeout: float = 60.0, databases: Iterable[str] = ()
+    ) -> None:
+        """Wait until every pair each node wants is connected (and there is a pair for each of `databases`)."""
+        required = set(databases)
         names = list(names or self.nodes)
         deadline = time.monotonic() + timeout
         while True:
@@ -316,6 +319,8 @@ class LocalCluster:
                     missing.extend(
                         f"{name}->{peer}/{d['database']}" for d in connection["databases"] if not d["connected"]
                     )
+                    have = {d["database"] for d in connection["databases"]}
+                    missing.extend(f"{name}->{peer}/{d} (no pair yet)" for d in sorted(required - have))
             if not missing:
                 return
             if time.monotonic() > deadline:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -25,6 +25,11 @@ if TYPE_CHECKING:
     from coordinator.node import Node
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# The warnings most worth graphing when they are sampled; their suppressed counters start at 0 so a rate exists.
+SAMPLED_EVENTS = ("send_auth_refused", "session_rejected", "stall_kick", "wedge_redrive", "registry_watcher_failed")
+
+# `_created` series would double the series count for no use here.
+disable_created_metrics()
 
 
 class Metrics:
@@ -65,7 +70,10 @@ class Metrics:
             ),
         }
         self._unknown_reported: set[str] = set()
+        for event in SAMPLED_EVENTS:
+            self._fed["replicator_log_events_suppressed_total"].labels(event)
         registry.register(_StateCollector(node))
+        self._node = node
         log.on_suppressed = lambda event, n: self.suppressed(event, n)
 
     def suppressed(self, event: str, count: int) -> None:
@@ -83,6 +91,12 @@ class Metrics:
                 counter.labels(*delta.labels).inc(delta.value)
 
     def render(self) -> bytes:
+        # Every wanted pair has its counters from the start, at 0, so rate() works before the first record.
+        for entry in self._node.map:
+            self._fed["replicator_reconnect_attempts_total"].labels(entry.peer)
+            for database in entry.pairs:
+                self._fed["replicator_records_applied_total"].labels(database, entry.peer)
+                self._fed["replicator_records_sent_total"].labels(database, entry.peer)
         return generate_latest(self.registry)
 
 

@@ -81,6 +81,9 @@ class PeerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class LogSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["json", "text"] = "json"
+    # Identical warnings: the first `sample_burst` per `sample_window` seconds are written, the rest counted.
+    sample_window: float = 10.0
+    sample_burst: int = 5
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -229,6 +232,8 @@ def _check(config: Config, source: str) -> None:
         fail("replication.batch_size" if rep.batch_size < 1 else "replication.window", "must be at least 1")
     if rep.max_frame_bytes < 64 * 1024:
         fail("replication.max_frame_bytes", "must be at least 65536")
+    if config.log.sample_window <= 0 or config.log.sample_burst < 1:
+        fail("log.sample_window" if config.log.sample_window <= 0 else "log.sample_burst", "must be positive")
     for pattern in rep.databases:
         if not DATABASE_PATTERN_RE.match(pattern):
             fail("replication.databases", f"{pattern!r} is neither '*' nor a database name")

@@ -56,11 +56,23 @@ class EventLog:
     def stream(self) -> TextIO:
         return self._stream if self._stream is not None else sys.stderr
 
-    def configure(self, *, fmt: str | None = None, level: str | None = None, **base: Any) -> None:
+    def configure(
+        self,
+        *,
+        fmt: str | None = None,
+        level: str | None = None,
+        window: float | None = None,
+        burst: int | None = None,
+        **base: Any,
+    ) -> None:
         if fmt is not None:
             self.fmt = fmt
         if level is not None:
             self.threshold = LEVELS[level]
+        if window is not None:
+            self._window = window
+        if burst is not None:
+            self._burst = burst
         self.base.update(base)
 
     def debug(self, event: str, **fields: Any) -> None:
