@@ -471,7 +471,7 @@ class Node:
                 handle.ready = True
                 handle.pid = pid
                 handle.last_heartbeat = now
-                if handle.restarts == 0 and self.supervisor.all_ready():
+                if self.supervisor.all_ready():
                     self._ready.set()
                 if self._ready.is_set():
                     self.reconcile_stale()
@@ -563,8 +563,13 @@ class Node:
                 del self._catchup_inflight[database]
         for entry in self.map:
             if entry.worker == handle.slot:
+                # The sessions died with the process; a respawn in the same slot starts empty, so the entry is
+                # unplaced until the stale sweep sets it up again (on a live worker, or on the respawned one).
                 entry.disarm()
+                entry.worker = -1
             for pair in entry.pairs.values():
+                if pair.accepted_by == handle.slot:
+                    pair.accepted_by = None
                 if pair.worker == handle.slot:
                     pair.connected = False
                     if pair.disconnected_at is None or pair.connected_at is not None:
@@ -593,13 +598,14 @@ class Node:
         now = self.loop.time()
         timeout = self.config.replication.heartbeat_timeout
         for handle in list(self.supervisor.workers.values()):
-            if handle.alive and handle.ready and now - handle.last_heartbeat > timeout:
-                log.warning(
-                    "worker_hung",
-                    worker=handle.slot,
-                    pid=handle.pid,
-                    silent_s=round(now - handle.last_heartbeat, 3),
-                )
+            if not handle.alive:
+                continue
+            silent = now - handle.last_heartbeat
+            if handle.ready and silent > timeout:
+                log.warning("worker_hung", worker=handle.slot, pid=handle.pid, silent_s=round(silent, 3))
+                self.supervisor.kill(handle.slot)
+            elif not handle.ready and silent > BOOT_TIMEOUT:
+                log.warning("worker_boot_hung", worker=handle.slot, pid=handle.pid, waited_s=BOOT_TIMEOUT)
                 self.supervisor.kill(handle.slot)
         self.reconcile_stale()
         self._redrive_wedged(now)

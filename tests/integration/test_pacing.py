@@ -142,3 +142,21 @@ async def test_a_dead_peer_is_redialled_within_the_backoff_bounds(make_cluster, 
         assert [e["attempt"] for e in scheduled()][:5] == [1, 2, 3, 4, 5]
     finally:
         await cluster.close()
+
+
+async def test_a_lone_workers_pairs_come_back_with_its_respawn(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_cluster(["a", "b"], workers=1)
+    cluster.start()
+    try:
+        await cluster.wait_ready()
+        assert (await cluster.data("b", "PUT", "/data/solo/t/one", {"n": 1}))[0] == 200
+        await cluster.wait_connected(databases=["solo"])
+        _, body = await cluster.admin("a", "/status")
+        psutil.Process(body["workers"][0]["pid"]).send_signal(signal.SIGKILL)
+        # No other worker can take the pairs: they wait for the respawn, then set up on it.
+        await wait_for(lambda: len([e for e in cluster["a"].events("worker_started")]) == 2, 30, "the respawn")
+        await cluster.wait_connected(["a"], databases=["solo"], timeout=30)
+        assert (await cluster.data("b", "PUT", "/data/solo/t/two", {"n": 2}))[0] == 200
+        await cluster.wait_converged("solo", timeout=30, expect_count=2)
+    finally:
+        await cluster.close()
