@@ -49,6 +49,7 @@ class LocalNode:
         self.config_path = self.dir / "node.toml"
         self.log_path = self.dir / "node.log"
         self.process: subprocess.Popen[bytes] | None = None
+        self._term_sent = False
         self.peers: list[str] = []
         self.outside_peers: dict[str, str] = {}  # name -> url of peers that are not nodes of this cluster
         self.extra: dict[str, dict[str, Any]] = {}
@@ -89,6 +90,7 @@ class LocalNode:
     def start(self, env: dict[str, str] | None = None, args: Iterable[str] = ()) -> None:
         assert self.process is None or self.process.poll() is not None, f"{self.name} is running"
         self.write_config()
+        self._term_sent = False
         log = self.log_path.open("ab")
         child_env = {**os.environ, **(env or {})}
         repo = str(Path(__file__).resolve().parent.parent)
@@ -111,13 +113,15 @@ class LocalNode:
         if self.running:
             assert self.process is not None
             self.process.send_signal(sig)
+            self._term_sent = self._term_sent or sig == signal.SIGTERM
 
     def stop(self, timeout: float = 15.0) -> int | None:
         """SIGTERM, wait; SIGKILL the whole process group if it does not exit in time."""
         if self.process is None:
             return None
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            if not self._term_sent:
+                self.signal(signal.SIGTERM)
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:

@@ -137,6 +137,10 @@ class Node:
         self._tasks.append(self.loop.create_task(self._await_ready(), name="await ready"))
         await self._stop.wait()
         await self._shutdown()
+        # Drained: a second SIGTERM between here and the exit must not turn a clean stop into a kill.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.loop.remove_signal_handler(sig)
+            signal.signal(sig, signal.SIG_IGN)
         return self.exit_code
 
     async def _boot(self) -> None:
@@ -351,7 +355,9 @@ class Node:
             entry = Entry(key=key, peer=view.name, url=view.url, worker=self.place())
             self.map.put(entry)
         elif not self.supervisor.is_live(entry.worker):
-            entry = self._replace_entry(entry)
+            # The stale-worker path goes through the one sweep, so its dispatches keep the stagger spacing too.
+            self.reconcile_stale()
+            entry = self.map.get(key) or entry
         entry.leader = view.leader
         payload = self._payload(view, key, database)
         pair = entry.pairs.get(database)
