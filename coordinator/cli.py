@@ -125,14 +125,7 @@ def _run(args: argparse.Namespace) -> int:
         config.node.workers = args.workers
     if args.log_format:
         config.log.format = args.log_format
-    log.configure(
-        fmt=config.log.format,
-        level=config.log.level,
-        window=config.log.sample_window,
-        burst=config.log.sample_burst,
-        node=config.node.name,
-        worker="coordinator",
-    )
+    log.configure_from(config.log, node=config.node.name, worker="coordinator")
     return _asyncio_run(_serve(config, args.workers))
 
 

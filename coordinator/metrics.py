@@ -124,6 +124,7 @@ class _StateCollector(Collector):
         yield _gauge("replicator_setup_pending", "Subscription setups armed and not yet fired", scheduler.pending)
         yield _counter("replicator_worker_restarts", "Workers respawned after an exit", node.supervisor.respawns)
         yield _gauge("replicator_workers_ready", "Workers running and ready", len(node.supervisor.live()))
+        yield _gauge("replicator_workers_configured", "Workers the node is configured to run", node.config.worker_count)
         yield _counter("replicator_reassignments", "Pairs moved off a dead or missing worker", node.reassignments)
         redrives = CounterMetricFamily("replicator_redrives", "Recovery re-drives fired", labels=["kind"])
         for kind in ("wedge", "stall"):

@@ -12,7 +12,10 @@ import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from shared.config import LogSection
 
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 
@@ -74,6 +77,16 @@ class EventLog:
         if burst is not None:
             self._burst = burst
         self.base.update(base)
+
+    def configure_from(self, settings: LogSection, **base: Any) -> None:
+        """Apply a config's [log] section."""
+        self.configure(
+            fmt=settings.format,
+            level=settings.level,
+            window=settings.sample_window,
+            burst=settings.sample_burst,
+            **base,
+        )
 
     def debug(self, event: str, **fields: Any) -> None:
         self.emit("debug", event, fields)

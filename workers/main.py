@@ -52,14 +52,7 @@ def worker_entry(worker_id: int, config_bytes: bytes, conn: Connection) -> None:
     # Ctrl-C in a terminal reaches the whole process group; the coordinator drains the workers itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = config_module.decode(config_bytes)
-    log.configure(
-        fmt=config.log.format,
-        level=config.log.level,
-        window=config.log.sample_window,
-        burst=config.log.sample_burst,
-        node=config.node.name,
-        worker=worker_id,
-    )
+    log.configure_from(config.log, node=config.node.name, worker=worker_id)
     fd = os.dup(conn.fileno())
     conn.close()
     worker = Worker(worker_id, config, fd)

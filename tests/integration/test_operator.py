@@ -287,3 +287,37 @@ async def test_sighup_scales_workers_up_and_down_without_losing_a_pair(make_clus
         stop.set()
         await asyncio.gather(*writers, return_exceptions=True)
         await cluster.close()
+
+
+async def test_sighup_reloads_the_peer_list(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_cluster(["a", "b"], workers=1, topology={"a": [], "b": []})
+    cluster.start()
+    try:
+        await cluster.wait_ready()
+        assert (await cluster.data("a", "PUT", "/data/later/t/x", {"v": 1}))[0] == 200
+        for name, other in (("a", "b"), ("b", "a")):
+            cluster[name].peers = [other]
+            cluster[name].write_config()
+            cluster[name].signal(signal.SIGHUP)
+        await cluster.wait_converged("later", timeout=30, expect_count=1)
+        await cluster.wait_connected(databases=["later"])
+        healthy = {(c["peer"], d["database"]): d["session"] for c in (await _status(cluster, "a"))["connections"]
+                   for d in c["databases"]}  # fmt: skip
+
+        # A reload that changes nothing about b keeps its sessions; dropping b from the list ends them.
+        cluster["a"].signal(signal.SIGHUP)
+        await asyncio.sleep(1.0)  # a reload is applied at once; give it a moment to (wrongly) disturb anything
+        again = {(c["peer"], d["database"]): d["session"] for c in (await _status(cluster, "a"))["connections"]
+                 for d in c["databases"]}  # fmt: skip
+        assert again == healthy
+        cluster["a"].peers = []
+        cluster["a"].write_config()
+        cluster["a"].signal(signal.SIGHUP)
+
+        async def dropped() -> bool:
+            return (await _status(cluster, "a"))["connections"] == []
+
+        await wait_for(dropped, 15, "a to drop its pairs with b")
+        assert cluster["a"].events("config_reloaded")
+    finally:
+        await cluster.close()

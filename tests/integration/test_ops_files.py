@@ -1,0 +1,625 @@
+"""The operator's kit in ops/, checked with the field's own tools; nothing is started.
+
+- systemd units: `systemd-analyze verify` (Debian package systemd), plus the numbers the node's behaviour dictates.
+- Prometheus: `promtool check config` / `check rules` (package prometheus), `promtool test rules` to show that each
+  alert fires on its failure and stays quiet on a healthy series, and the dashboard's queries parsed by promtool.
+- Every metric and label that alerts.yml and the dashboard reference is one the node exports (CONTRACT.md).
+- Every alert has its runbook section.
+
+A missing tool skips its tests with the Debian package to install; `.ci/run` installs them when it can.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Set
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coordinator.node import BOOT_TIMEOUT
+from shared.config import ReplicationSection
+
+ROOT = Path(__file__).resolve().parents[2]
+OPS = ROOT / "ops"
+UNITS = {"replicator.service": "replicator.service", "replicator@.service": "replicator@a.service"}
+INSTANCE_DIRECTIVES = {"Description", "ExecStart", "StateDirectory", "WorkingDirectory", "ReadWritePaths"}
+
+# CONTRACT.md, "Metrics (minimum set; names and labels fixed)", plus the data API's write counter.
+EXPORTED: dict[str, frozenset[str]] = {
+    "replicator_setup_requests_total": frozenset(),
+    "replicator_setup_armed_total": frozenset(),
+    "replicator_setup_dispatched_total": frozenset(),
+    "replicator_setup_pending": frozenset(),
+    "replicator_reconnect_attempts_total": frozenset({"peer"}),
+    "replicator_peer_connected": frozenset({"peer", "database"}),
+    "replicator_records_applied_total": frozenset({"database", "peer"}),
+    "replicator_records_sent_total": frozenset({"database", "peer"}),
+    "replicator_replication_lag_seconds": frozenset({"database", "peer"}),
+    "replicator_worker_restarts_total": frozenset(),
+    "replicator_workers_ready": frozenset(),
+    "replicator_reassignments_total": frozenset(),
+    "replicator_redrives_total": frozenset({"kind"}),
+    "replicator_worker_rss_bytes": frozenset({"worker"}),
+    "replicator_log_events_suppressed_total": frozenset({"event"}),
+    "replicator_records_written_total": frozenset({"database"}),
+}
+# Labels Prometheus attaches to every series of a target (prometheus.yml gives each target its `node`).
+TARGET_LABELS = frozenset({"job", "instance", "node"})
+PROMETHEUS_SERIES = {"up": frozenset()}
+# CONTRACT.md, "Log events": the fixed names the runbook must explain.
+LOG_EVENTS = [
+    "subscription_setup_armed",
+    "subscription_setup_dispatched",
+    "reconnect_scheduled",
+    "session_connected",
+    "session_disconnected",
+    "worker_exited",
+    "worker_respawn_scheduled",
+    "stale_reassigned",
+    "wedge_redrive",
+    "stall_kick",
+    "send_auth_refused",
+]
+
+
+def tool(name: str, package: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.skip(
+            f"{name} is not installed: `apt-get install --no-install-recommends {package}` (Debian package "
+            f"{package!r}); .ci/run installs it when the package registry is reachable"
+        )
+    return path
+
+
+def run(*args: str | Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(a) for a in args], capture_output=True, text=True, timeout=60, env=env, check=False, cwd=ROOT
+    )
+
+
+# -- systemd ---------------------------------------------------------------------------------------------------
+
+
+def verify_units(analyze: str, directory: Path, units: dict[str, str], texts: dict[str, str]) -> list[str]:
+    """Run `systemd-analyze verify` on the units (file name -> unit to verify) and return its complaints.
+
+    What verify needs on a machine that does not run the node: the ExecStart binary must exist and be executable
+    (otherwise "Command ... is not executable", exit 1), so the copies run the venv's `replicator` script. It
+    does not look up User= (a missing `replicator` user is not reported), and a template is verified as an
+    instance (`replicator@a.service`, the file `replicator@.service` beside it). Unknown keys, misspelled
+    sections and unparseable values are only warnings with exit code 0, so the output is read, not just the
+    exit code: every line that names one of the units is a complaint.
+    """
+    binary = Path(sys.executable).parent / "replicator"
+    if not os.access(binary, os.X_OK):
+        binary = Path(sys.executable)
+    for name, text in texts.items():
+        (directory / name).write_text(text.replace("/usr/local/bin/replicator", str(binary)))
+    options = ["--man=no"]
+    if "--recursive-errors" in run(analyze, "--help").stdout:
+        options.append("--recursive-errors=no")  # the host's own units are not ours to judge
+    env = {**os.environ, "SYSTEMD_LOG_COLOR": "0", "SYSTEMD_PAGER": "", "LC_ALL": "C"}
+    result = run(analyze, "verify", *options, *(directory / unit for unit in units.values()), env=env)
+    output = (result.stdout + result.stderr).splitlines()
+    names = {*units, *units.values(), *(str(directory / n) for n in units)}
+    complaints = [line for line in output if any(name in line for name in names)]
+    if result.returncode != 0 and not complaints:
+        complaints = [f"systemd-analyze verify exited {result.returncode}", *output]
+    return complaints
+
+
+def unit_texts() -> dict[str, str]:
+    return {name: (OPS / name).read_text() for name in UNITS}
+
+
+def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
+    analyze = tool("systemd-analyze", "systemd")
+    complaints = verify_units(analyze, tmp_path, UNITS, unit_texts())
+    assert not complaints, "systemd-analyze verify:\n" + "\n".join(complaints)
+
+
+@pytest.mark.parametrize(
+    ("unit", "old", "new"),
+    [
+        ("replicator.service", "NotifyAccess=main", "NotifyAcess=main"),
+        ("replicator.service", "KillMode=mixed", "KillMode=mixd"),
+        ("replicator@.service", "RestartSec=5s", "RestartSec=5x"),
+        ("replicator@.service", "RestrictAddressFamilies=AF_UNIX", "RestrictAddressFamilies=AF_UNIKS"),
+    ],
+)
+def test_verify_catches_a_broken_directive(tmp_path: Path, unit: str, old: str, new: str) -> None:
+    # systemd-analyze exits 0 on each of these: the check must still fail.
+    analyze = tool("systemd-analyze", "systemd")
+    texts = unit_texts()
+    assert old in texts[unit]
+    texts[unit] = texts[unit].replace(old, new, 1)
+    complaints = verify_units(analyze, tmp_path, UNITS, texts)
+    assert any(new.split("=")[0] in line or new.split("=")[1] in line for line in complaints), complaints
+
+
+def directives(text: str) -> dict[tuple[str, str], list[str]]:
+    found: dict[tuple[str, str], list[str]] = {}
+    section = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            section = line.strip("[]")
+            continue
+        key, _, value = line.partition("=")
+        found.setdefault((section, key.strip()), []).append(value.strip())
+    return found
+
+
+def seconds(value: str) -> float:
+    units = {"": 1.0, "s": 1.0, "sec": 1.0, "ms": 0.001, "min": 60.0, "m": 60.0, "h": 3600.0}
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]*)", value)
+    assert match and match.group(2) in units, f"not a time span: {value!r}"
+    return float(match.group(1)) * units[match.group(2)]
+
+
+@pytest.mark.parametrize("name", list(UNITS))
+def test_unit_encodes_the_node_contract(name: str) -> None:
+    d = directives((OPS / name).read_text())
+
+    def one(section: str, key: str) -> str:
+        values = d.get((section, key))
+        assert values and len(values) == 1, f"{name}: expected one {key}= in [{section}], got {values}"
+        return values[0]
+
+    assert one("Service", "Type") == "notify"
+    assert one("Service", "NotifyAccess") == "main"
+    assert one("Service", "KillMode") == "mixed"
+    assert one("Service", "Restart") == "on-failure"
+    assert {"2", "3"} <= set(one("Service", "RestartPreventExitStatus").split())
+    assert one("Service", "ExecReload") == "/bin/kill -HUP $MAINPID"
+    assert one("Service", "User") == one("Service", "Group") == "replicator"
+    assert ("Service", "DynamicUser") not in d
+    assert seconds(one("Service", "TimeoutStopSec")) >= ReplicationSection().shutdown_timeout + 5
+    assert seconds(one("Service", "TimeoutStartSec")) > BOOT_TIMEOUT
+    assert seconds(one("Service", "WatchdogSec")) >= 10
+    assert int(one("Service", "LimitNOFILE")) >= 4096
+    burst, interval = int(one("Unit", "StartLimitBurst")), seconds(one("Unit", "StartLimitIntervalSec"))
+    # A tight crash loop must fit in the interval, or the start limit can never trip.
+    assert interval > burst * (seconds(one("Service", "RestartSec")) + 5)
+    for key, value in [
+        ("NoNewPrivileges", "yes"),
+        ("ProtectSystem", "strict"),
+        ("ProtectHome", "yes"),
+        ("PrivateTmp", "yes"),
+        ("ProtectKernelTunables", "yes"),
+        ("ProtectKernelModules", "yes"),
+        ("RestrictAddressFamilies", "AF_UNIX AF_INET AF_INET6"),
+    ]:
+        assert one("Service", key) == value, key
+    state = one("Service", "StateDirectory")
+    assert one("Service", "ReadWritePaths") == f"/var/lib/{state}"
+    if name == "replicator@.service":
+        assert state == "replicator/%i"
+        assert one("Service", "ExecStart").endswith("run --config /etc/replicator/%i.toml")
+    else:
+        assert state == "replicator"
+        assert one("Service", "ExecStart").endswith("run --config /etc/replicator/replicator.toml")
+
+
+def test_template_differs_from_the_single_unit_only_by_instance() -> None:
+    single = directives((OPS / "replicator.service").read_text())
+    template = directives((OPS / "replicator@.service").read_text())
+    differ = {key for key in single.keys() | template.keys() if single.get(key) != template.get(key)}
+    assert {key for _, key in differ} <= INSTANCE_DIRECTIVES, sorted(differ)
+    for key in differ:
+        assert all("%i" in value for value in template.get(key, [])), key
+
+
+# -- Prometheus ------------------------------------------------------------------------------------------------
+
+
+def rules(text: str) -> list[dict[str, str]]:
+    """The alerting rules of a block-style rules file, leaf keys flattened: alert, expr, for, severity, summary..."""
+    found: list[dict[str, str]] = []
+    lines = text.splitlines()
+    index = 0
+    while index < len(lines):
+        line = lines[index]
+        index += 1
+        match = re.match(r"(\s*)(?:- )?([A-Za-z_]+):\s*(.*)$", line)
+        if not match or line.lstrip().startswith("#"):
+            continue
+        indent, key, value = len(match.group(1)), match.group(2), match.group(3)
+        if value in (">-", ">", "|", "|-"):
+            block = []
+            while index < len(lines) and (not lines[index].strip() or _indent(lines[index]) > indent):
+                block.append(lines[index].strip())
+                index += 1
+            value = (" " if value.startswith(">") else "\n").join(part for part in block if part)
+        if key == "alert":
+            found.append({})
+        if found and value:
+            found[-1][key] = value.strip().strip('"')
+    return found
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+def alert_rules() -> list[dict[str, str]]:
+    return rules((OPS / "alerts.yml").read_text())
+
+
+def test_promtool_checks_the_rules_and_the_scrape_config() -> None:
+    promtool = tool("promtool", "prometheus")
+    result = run(promtool, "check", "rules", OPS / "alerts.yml")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(alert_rules())} rules found" in result.stdout
+    result = run(promtool, "check", "config", OPS / "prometheus.yml")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS: 1 rule files found" in result.stdout
+
+
+def without_annotations(text: str) -> str:
+    # promtool test rules compares annotations exactly; the scenarios below are about when an alert fires.
+    kept: list[str] = []
+    dropping: int | None = None
+    for line in text.splitlines():
+        if dropping is not None and (not line.strip() or _indent(line) > dropping):
+            continue
+        dropping = None
+        if line.strip() == "annotations:":
+            dropping = _indent(line)
+            continue
+        kept.append(line)
+    return "\n".join(kept) + "\n"
+
+
+TARGET = {"job": "replicator", "instance": "127.0.0.1:9926", "node": "a"}
+GIB = 1024**3
+
+
+def series(name: str, values: str, **labels: str) -> dict[str, str]:
+    merged = {**TARGET, **labels}
+    return {"series": name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(merged.items())) + "}", "values": values}
+
+
+def fires(at: str, alert: str, severity: str, **labels: str) -> dict[str, Any]:
+    return {
+        "eval_time": at,
+        "alertname": alert,
+        "exp_alerts": [{"exp_labels": {**TARGET, "severity": severity, **labels}}],
+    }
+
+
+def quiet(at: str, alert: str) -> dict[str, Any]:
+    return {"eval_time": at, "alertname": alert, "exp_alerts": []}
+
+
+def scenario(inputs: list[dict[str, str]], *checks: dict[str, Any]) -> dict[str, Any]:
+    return {"interval": "1m", "input_series": inputs, "alert_rule_test": list(checks)}
+
+
+RSS = "replicator_worker_rss_bytes"
+SCENARIOS = [
+    # The node stops answering at 2m; the alert waits 2 minutes for systemd's restart.
+    scenario(
+        [series("up", "1 1 0x10")], quiet("3m", "ReplicatorNodeDown"), fires("5m", "ReplicatorNodeDown", "critical")
+    ),
+    scenario(
+        [series("replicator_workers_ready", "2 0x10")],
+        quiet("2m", "ReplicatorNoWorkersReady"),
+        fires("4m", "ReplicatorNoWorkersReady", "critical"),
+    ),
+    # Two workers alive, one ready.
+    scenario(
+        [
+            series("replicator_workers_ready", "1x10"),
+            series(RSS, "60000000x10", worker="0"),
+            series(RSS, "60000000x10", worker="1"),
+        ],
+        quiet("4m", "ReplicatorWorkersNotReady"),
+        fires("6m", "ReplicatorWorkersNotReady", "warning"),
+    ),
+    scenario(
+        [
+            series("replicator_workers_ready", "2x10"),
+            series(RSS, "60000000x10", worker="0"),
+            series(RSS, "60000000x10", worker="1"),
+        ],
+        quiet("9m", "ReplicatorWorkersNotReady"),
+    ),
+    # A crash loop: one restart a minute.
+    scenario(
+        [series("replicator_worker_restarts_total", "0+1x20")],
+        quiet("2m", "ReplicatorWorkerRestartLoop"),
+        fires("8m", "ReplicatorWorkerRestartLoop", "warning"),
+    ),
+    # Three restarts in a row on an established counter: not yet a loop.
+    scenario(
+        [series("replicator_worker_restarts_total", "5x20 6 7 8 8x20")],
+        quiet("25m", "ReplicatorWorkerRestartLoop"),
+        quiet("35m", "ReplicatorWorkerRestartLoop"),
+    ),
+    scenario(
+        [
+            series("replicator_peer_connected", "1 0x10", peer="b", database="orders"),
+            series("replicator_peer_connected", "1x10", peer="b", database="system"),
+        ],
+        quiet("4m", "ReplicatorPairDisconnected"),
+        fires("7m", "ReplicatorPairDisconnected", "warning", peer="b", database="orders"),
+    ),
+    # A pair that reconnects within the re-drive window does not page.
+    scenario(
+        [series("replicator_peer_connected", "1 0 0 0 1x10", peer="b", database="orders")],
+        quiet("8m", "ReplicatorPairDisconnected"),
+    ),
+    # 2 setups armed per second, sustained.
+    scenario(
+        [series("replicator_setup_armed_total", "0+120x30")],
+        quiet("8m", "ReplicatorSetupStorm"),
+        fires("16m", "ReplicatorSetupStorm", "warning"),
+    ),
+    # A boot of 1,000 pairs arms 1,000 setups at once; a healthy node then arms a handful per minute.
+    scenario(
+        [series("replicator_setup_armed_total", "0 1000 1000+5x40")],
+        quiet("5m", "ReplicatorSetupStorm"),
+        quiet("12m", "ReplicatorSetupStorm"),
+        quiet("30m", "ReplicatorSetupStorm"),
+    ),
+    scenario(
+        [series("replicator_replication_lag_seconds", "0 400x20", peer="b", database="orders")],
+        quiet("9m", "ReplicatorReplicationLagHigh"),
+        fires("13m", "ReplicatorReplicationLagHigh", "warning", peer="b", database="orders"),
+    ),
+    # Five minutes behind (a bulk copy), then caught up.
+    scenario(
+        [series("replicator_replication_lag_seconds", "0 400x5 0x20", peer="b", database="orders")],
+        quiet("15m", "ReplicatorReplicationLagHigh"),
+    ),
+    scenario(
+        [series(RSS, f"{2 * GIB}x30", worker="1"), series(RSS, "60000000x30", worker="0")],
+        quiet("10m", "ReplicatorWorkerMemoryHigh"),
+        fires("20m", "ReplicatorWorkerMemoryHigh", "warning", worker="1"),
+    ),
+    # 100 MiB an hour for 4 hours against a flat worker.
+    scenario(
+        [series(RSS, "60000000+1747627x240", worker="0"), series(RSS, "60000000x240", worker="1")],
+        quiet("90m", "ReplicatorWorkerMemoryGrowth"),
+        fires("150m", "ReplicatorWorkerMemoryGrowth", "warning", worker="0"),
+    ),
+    # Warm-up: 30 minutes of growth, then flat.
+    scenario(
+        [series(RSS, "60000000+3000000x30 150000000x210", worker="0")],
+        quiet("4h", "ReplicatorWorkerMemoryGrowth"),
+    ),
+]
+
+
+def test_alerts_fire_on_their_failure_and_not_on_a_healthy_series(tmp_path: Path) -> None:
+    promtool = tool("promtool", "prometheus")
+    stripped = tmp_path / "alerts.yml"
+    stripped.write_text(without_annotations((OPS / "alerts.yml").read_text()))
+    covered = {check["alertname"] for s in SCENARIOS for check in s["alert_rule_test"]}
+    assert covered == {rule["alert"] for rule in alert_rules()}, "every alert needs a scenario"
+    spec = tmp_path / "alerts.test.json"  # JSON is YAML
+    spec.write_text(json.dumps({"rule_files": [str(stripped)], "evaluation_interval": "1m", "tests": SCENARIOS}))
+    result = run(promtool, "test", "rules", spec)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# -- names and labels ------------------------------------------------------------------------------------------
+
+# Functions and aggregations are recognised by the "(" that follows them; these words are not.
+_PROMQL_KEYWORDS = frozenset(
+    [
+        "and",
+        "or",
+        "unless",
+        "bool",
+        "offset",
+        "by",
+        "without",
+        "on",
+        "ignoring",
+        "group_left",
+        "group_right",
+        "inf",
+        "nan",
+    ]
+)
+
+
+def references(expr: str) -> tuple[set[str], set[str]]:
+    """The metric names and the label names a PromQL expression uses."""
+    expr = re.sub(r'"(?:[^"\\]|\\.)*"', '""', expr)
+    labels: set[str] = set()
+    for clause in re.findall(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)", expr):
+        labels.update(name.strip() for name in clause.split(",") if name.strip())
+    expr = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", expr)
+    for matchers in re.findall(r"\{([^}]*)\}", expr):
+        labels.update(re.findall(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:=~|!~|!=|=)", matchers))
+    expr = re.sub(r"\{[^}]*\}|\[[^\]]*\]", " ", expr)
+    names = set()
+    for match in re.finditer(r"(?<![\w.])[A-Za-z_:][A-Za-z0-9_:]*", expr):
+        if expr[match.end() :].lstrip().startswith("("):
+            continue  # a function or an aggregation
+        if match.group() not in _PROMQL_KEYWORDS:
+            names.add(match.group())
+    return names, labels
+
+
+def check_expr(expr: str, extra_labels: Set[str] = frozenset()) -> list[str]:
+    known = {**EXPORTED, **PROMETHEUS_SERIES}
+    names, labels = references(expr)
+    problems = [f"{name!r} is not a metric the node exports" for name in sorted(names - known.keys())]
+    if not names:
+        problems.append("references no metric")
+    allowed = TARGET_LABELS.union(*(known.get(name, frozenset()) for name in names))
+    problems += [f"label {label!r} is not on {sorted(names)}" for label in sorted((labels | extra_labels) - allowed)]
+    return [f"{expr}: {problem}" for problem in problems]
+
+
+def test_the_reference_list_matches_coordinator_metrics() -> None:
+    tree = ast.parse((ROOT / "coordinator" / "metrics.py").read_text())
+    strings = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    missing = [name for name in EXPORTED if name not in strings and name.removesuffix("_total") not in strings]
+    assert not missing, f"coordinator/metrics.py no longer exports {missing}"
+
+
+def test_the_expression_checker_catches_mistakes() -> None:
+    assert not check_expr('sum by (node, peer) (rate(replicator_reconnect_attempts_total{node=~".*"}[5m]))')
+    assert check_expr("rate(replicator_setup_armed[5m])")  # the counter is exported with _total
+    assert check_expr("sum by (peers) (replicator_peer_connected)")
+    assert check_expr('replicator_worker_rss_bytes{slot="0"}')
+    assert not check_expr("up == 0")
+
+
+def test_alerts_reference_exported_metrics_and_labels() -> None:
+    problems = []
+    for rule in alert_rules():
+        used = set(re.findall(r"\$labels\.(\w+)", rule.get("summary", "") + rule.get("description", "")))
+        problems += check_expr(rule["expr"], used)
+    assert not problems, "\n".join(problems)
+
+
+def test_alerts_are_complete_and_point_at_their_runbook_section() -> None:
+    runbook = (OPS / "RUNBOOK.md").read_text()
+    headings = set(re.findall(r"^#{2,4} (.+)$", runbook, re.MULTILINE))
+    names = [rule.get("alert", "") for rule in alert_rules()]
+    assert len(names) == len(set(names)) >= 7
+    for rule in alert_rules():
+        name = rule["alert"]
+        assert re.fullmatch(r"\d+[smh]", rule.get("for", "")), f"{name}: needs a for:"
+        assert rule.get("severity") in {"critical", "warning"}, name
+        assert rule.get("summary") and rule.get("description"), name
+        assert rule.get("runbook_url") == f"RUNBOOK.md#{name.lower()}", name
+        assert name in headings, f"RUNBOOK.md has no section {name}"
+        assert f"Runbook: {name}." in rule["description"], name
+    expressions = " ".join(rule["expr"] for rule in alert_rules())
+    for metric in [
+        "replicator_peer_connected",
+        "replicator_setup_armed_total",
+        "replicator_worker_restarts_total",
+        "replicator_replication_lag_seconds",
+        "replicator_worker_rss_bytes",
+        "replicator_workers_ready",
+    ]:
+        assert metric in expressions, f"no alert on {metric}"
+
+
+def slug(heading: str) -> str:
+    return re.sub(r"[^a-z0-9 _-]", "", heading.lower()).replace(" ", "-")
+
+
+def test_runbook_covers_the_operations_and_its_links_resolve() -> None:
+    runbook = (OPS / "RUNBOOK.md").read_text()
+    anchors = {slug(h) for h in re.findall(r"^#+ (.+)$", runbook, re.MULTILINE)}
+    broken = [link for link in re.findall(r"\]\(#([^)]+)\)", runbook) if link not in anchors]
+    assert not broken, broken
+    for needle in [
+        "replicator status",
+        "replicator verify",
+        "PUT 127.0.0.1:9926/nodes/",
+        "DELETE 127.0.0.1:9926/nodes/",
+        "[[peers]]",
+        "systemctl reload",
+        "node.workers",
+        "| 2 |",
+        "| 3 |",
+        "journalctl",
+        *LOG_EVENTS,
+    ]:
+        assert needle in runbook, f"RUNBOOK.md does not mention {needle!r}"
+
+
+def test_prometheus_config_scrapes_every_node_with_its_name() -> None:
+    text = (OPS / "prometheus.yml").read_text()
+    assert re.search(r"^rule_files:\s*\n\s*- alerts\.yml$", text, re.MULTILINE)
+    assert "metrics_path: /metrics" in text
+    targets = re.findall(r'- targets: \["([^"]+)"\]\s*\n\s*labels:\s*\n\s*node: (\w+)', text)
+    assert len(targets) >= 2 and "127.0.0.1:9926" in {t for t, _ in targets}, targets
+    assert len({node for _, node in targets}) == len(targets)
+
+
+# -- the dashboard ---------------------------------------------------------------------------------------------
+
+
+def dashboard() -> dict[str, Any]:
+    return json.loads((OPS / "grafana-dashboard.json").read_text())
+
+
+def panels() -> list[dict[str, Any]]:
+    found = []
+    for panel in dashboard()["panels"]:
+        found.append(panel)
+        found.extend(panel.get("panels", []))
+    return found
+
+
+def queries() -> list[tuple[str, str, str]]:
+    """(panel title, refId, expr) for every query of the dashboard."""
+    return [
+        (str(panel["title"]), target["refId"], target["expr"])
+        for panel in panels()
+        for target in panel.get("targets", [])
+    ]
+
+
+def as_promql(expr: str) -> str:
+    expr = re.sub(r"\$__(?:rate_interval|interval|range)\b", "5m", expr)
+    return re.sub(r"\$\{?\w+\}?", ".*", expr)  # template variables only appear inside label matchers
+
+
+def test_dashboard_is_a_grafana_dashboard() -> None:
+    board = dashboard()
+    assert board["schemaVersion"] == 39
+    assert board["uid"] and board["title"]
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    assert check_expr(variables["node"]["definition"].removeprefix("label_values(").split(",")[0]) == []
+    ids = [panel["id"] for panel in panels()]
+    assert len(ids) == len(set(ids))
+    boxes = []
+    for panel in panels():
+        grid = panel["gridPos"]
+        assert grid["x"] >= 0 and grid["x"] + grid["w"] <= 24, panel["title"]
+        boxes.append((grid["x"], grid["y"], grid["w"], grid["h"], panel["title"]))
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+        assert panel.get("targets"), f"panel {panel['title']!r} has no query"
+    for i, (x, y, w, h, title) in enumerate(boxes):
+        for x2, y2, w2, h2, title2 in boxes[i + 1 :]:
+            assert x + w <= x2 or x2 + w2 <= x or y + h <= y2 or y2 + h2 <= y, f"{title!r} overlaps {title2!r}"
+
+
+def test_dashboard_queries_use_exported_metrics_and_labels() -> None:
+    problems = []
+    used: set[str] = set()
+    for panel in panels():
+        for target in panel.get("targets", []):
+            legend = set(re.findall(r"\{\{\s*(\w+)\s*\}\}", target.get("legendFormat", "")))
+            problems += check_expr(as_promql(target["expr"]), legend)
+            used |= references(as_promql(target["expr"]))[0]
+    assert not problems, "\n".join(problems)
+    assert not set(EXPORTED) - used, f"metrics without a panel: {sorted(set(EXPORTED) - used)}"
+
+
+def test_promtool_parses_the_dashboard_queries(tmp_path: Path) -> None:
+    promtool = tool("promtool", "prometheus")
+    records = [
+        {"record": f"dashboard:query_{index}", "expr": as_promql(expr)} for index, (_, _, expr) in enumerate(queries())
+    ]
+    path = tmp_path / "dashboard-queries.json"  # JSON is YAML
+    path.write_text(json.dumps({"groups": [{"name": "dashboard", "rules": records}]}))
+    result = run(promtool, "check", "rules", path)
+    assert result.returncode == 0, result.stdout + result.stderr
