@@ -94,6 +94,7 @@ class Node:
         self._stop = asyncio.Event()
         self._registry_poke = asyncio.Event()
         self._ready = asyncio.Event()
+        self.worker_ready = asyncio.Event()  # set on every worker's Ready; scaling waits on it
         self._closing = False
         self._tasks: list[asyncio.Task[Any]] = []
         self._admin: Any = None
@@ -477,6 +478,7 @@ class Node:
                 handle.ready = True
                 handle.pid = pid
                 handle.last_heartbeat = now
+                self.worker_ready.set()
                 if self.supervisor.all_ready():
                     self._ready.set()
                 if self._ready.is_set():

@@ -47,10 +47,15 @@ async def _scale_up(node: Node, active: list[int], count: int) -> None:
         supervisor.spawn(slot)
     end = node.loop.time() + READY_TIMEOUT
     while not all(supervisor.workers[s].ready for s in new_slots if s in supervisor.workers):
-        if node.loop.time() > end:
+        left = end - node.loop.time()
+        if left <= 0:
             log.warning("workers_scaling_timeout", waiting=[s for s in new_slots if not supervisor.workers[s].ready])
             break
-        await asyncio.sleep(0.05)
+        node.worker_ready.clear()
+        try:
+            await asyncio.wait_for(node.worker_ready.wait(), left)
+        except TimeoutError:
+            pass
     ready_new = [s for s in new_slots if supervisor.is_live(s) and supervisor.workers[s].ready]
     if not ready_new:
         return

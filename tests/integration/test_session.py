@@ -102,8 +102,11 @@ async def test_a_force_reconnect_schedules_exactly_one_reconnect(harness: Harnes
         assert first.reconnect_in is not None and first.reconnect_in >= 0.5  # the floor
         for _ in range(5):
             session.force_reconnect(None, "operator")
-        await wait_for(lambda: len(harness.of(messages.Disconnected)) >= 2, 5, "the forced reconnect")
-        await asyncio.sleep(0.3)  # below the 0.5 s floor: a second reconnect would already show
+        await wait_for(
+            lambda: len(harness.of(messages.Disconnected)) >= 2 and session.state is State.WAITING,
+            5,
+            "the forced reconnect to fail and wait on the schedule",
+        )
         reports = harness.of(messages.Disconnected)
         assert len(reports) == 2
         assert len({r.session for r in reports}) == 2
