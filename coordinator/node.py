@@ -470,21 +470,14 @@ class Node:
             return
         now = self.loop.time()
         match message:
-            case messages.Heartbeat(rss_bytes=rss, counters=counters):
-                handle.last_heartbeat = now
-                handle.rss_bytes = rss
+            case messages.Heartbeat(counters=counters):
                 self.metrics.apply(counters)
-            case messages.Ready(pid=pid):
-                handle.ready = True
-                handle.pid = pid
-                handle.last_heartbeat = now
+            case messages.Ready():
                 self.worker_ready.set()
                 if self.supervisor.all_ready():
                     self._ready.set()
                 if self._ready.is_set():
                     self.reconcile_stale()
-            case messages.BootFailed(reason=reason):
-                handle.boot_error = reason
             case messages.SubscribeAccepted(key=key, database=database, dispatch=dispatch, catchup=catchup):
                 pair = self.map.pair(key, database)
                 if pair is not None:

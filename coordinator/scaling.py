@@ -8,11 +8,11 @@ setups; entries that stay where they are keep their sessions.
 
 from __future__ import annotations
 
-import asyncio
 import math
 from typing import TYPE_CHECKING
 
 from coordinator.replication_map import Entry
+from coordinator.supervisor import wait_until
 from shared import messages
 from shared.logs import log
 
@@ -45,17 +45,13 @@ async def _scale_up(node: Node, active: list[int], count: int) -> None:
         slot += 1
     for slot in new_slots:
         supervisor.spawn(slot)
-    end = node.loop.time() + READY_TIMEOUT
-    while not all(supervisor.workers[s].ready for s in new_slots if s in supervisor.workers):
-        left = end - node.loop.time()
-        if left <= 0:
-            log.warning("workers_scaling_timeout", waiting=[s for s in new_slots if not supervisor.workers[s].ready])
-            break
-        node.worker_ready.clear()
-        try:
-            await asyncio.wait_for(node.worker_ready.wait(), left)
-        except TimeoutError:
-            pass
+    ready = await wait_until(
+        lambda: all(supervisor.workers[s].ready for s in new_slots if s in supervisor.workers),
+        node.worker_ready,
+        READY_TIMEOUT,
+    )
+    if not ready:
+        log.warning("workers_scaling_timeout", waiting=[s for s in new_slots if not supervisor.workers[s].ready])
     ready_new = [s for s in new_slots if supervisor.is_live(s) and supervisor.workers[s].ready]
     if not ready_new:
         return

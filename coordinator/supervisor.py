@@ -26,6 +26,22 @@ from workers.main import EXIT_BOOT_ERROR, worker_entry
 RESPAWN_HEALTHY_UPTIME = 10.0
 
 
+async def wait_until(condition: Callable[[], bool], changed: asyncio.Event, timeout: float) -> bool:
+    """Wait until `condition()` holds, re-checking each time `changed` is set; False when `timeout` ran out."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not condition():
+        left = end - loop.time()
+        if left <= 0:
+            return False
+        changed.clear()
+        try:
+            await asyncio.wait_for(changed.wait(), left)
+        except TimeoutError:
+            return condition()
+    return True
+
+
 class WorkerHandle:
     def __init__(self, slot: int, rng: Callable[[], float], clock: Callable[[], float]) -> None:
         self.slot = slot
@@ -67,6 +83,7 @@ class Supervisor:
         self.workers: dict[int, WorkerHandle] = {}
         self.stopping = False
         self._exit_seen = asyncio.Event()
+        self._finishing: set[asyncio.Task[None]] = set()
         self.respawns = 0  # over the node's life, retired slots included: the restarts counter reads it
 
     # -- queries ------------------------------------------------------------------------------------------------
@@ -125,6 +142,7 @@ class Supervisor:
         try:
             while True:
                 message = await messages.read_to_coordinator(reader)
+                self._note(handle, message)
                 self._on_message(handle.slot, message)
         except messages.PipeClosed:
             pass
@@ -134,6 +152,19 @@ class Supervisor:
         finally:
             writer.close()
             handle.writer = None
+
+    def _note(self, handle: WorkerHandle, message: messages.ToCoordinator) -> None:
+        """What the supervisor itself keeps of a worker's reports: liveness, readiness, why it could not boot."""
+        match message:
+            case messages.Heartbeat(rss_bytes=rss):
+                handle.last_heartbeat = self._loop.time()
+                handle.rss_bytes = rss
+            case messages.Ready(pid=pid):
+                handle.ready = True
+                handle.pid = pid
+                handle.last_heartbeat = self._loop.time()
+            case messages.BootFailed(reason=reason):
+                handle.boot_error = reason
 
     def send(self, slot: int, message: msgspec.Struct) -> bool:
         """Queue a message for a worker; False when it cannot be delivered (no such worker, or it is gone)."""
@@ -170,8 +201,21 @@ class Supervisor:
             "worker_exited",
             {"worker": handle.slot, "pid": handle.pid, "code": code, "uptime_s": round(uptime, 3)},
         )
-        if handle.reader_task is not None:
-            handle.reader_task.cancel()
+        # What the worker wrote before it died (its boot error, its last counters) is still in the pipe: finish
+        # the exit once the pipe is read to its end, which the process's death makes immediate.
+        task = self._loop.create_task(self._finish_exit(handle, handle.reader_task, code, uptime))
+        self._finishing.add(task)
+        task.add_done_callback(self._finishing.discard)
+
+    async def _finish_exit(
+        self, handle: WorkerHandle, reader: asyncio.Task[None] | None, code: int | None, uptime: float
+    ) -> None:
+        if reader is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(reader), 2.0)
+            except TimeoutError:
+                reader.cancel()
+        self._exit_seen.set()
         self._on_exit(handle)
         if handle.retiring:
             del self.workers[handle.slot]  # scaled down: the slot is gone, not waiting for a respawn
@@ -192,16 +236,7 @@ class Supervisor:
         handle.respawn_timer = self._loop.call_later(delay, self.spawn, handle.slot)
 
     async def _wait_all_exited(self, timeout: float) -> None:
-        end = self._loop.time() + timeout
-        while any(w.alive for w in self.workers.values()):
-            left = end - self._loop.time()
-            if left <= 0:
-                return
-            self._exit_seen.clear()
-            try:
-                await asyncio.wait_for(self._exit_seen.wait(), left)
-            except TimeoutError:
-                return
+        await wait_until(lambda: not any(w.alive for w in self.workers.values()), self._exit_seen, timeout)
 
     def retire(self, slot: int, deadline: float) -> None:
         """Scale down: stop this worker for good (its pairs are moved by the caller first)."""
@@ -235,6 +270,7 @@ class Supervisor:
                 log.warning("worker_killed_at_shutdown", worker=handle.slot, pid=handle.pid)
                 handle.process.kill()
         await self._wait_all_exited(2.0)
+        await asyncio.gather(*self._finishing, return_exceptions=True)
         tasks = [w.reader_task for w in self.workers.values() if w.reader_task is not None]
         for task in tasks:
             task.cancel()

@@ -6,6 +6,7 @@ worker, with the virtual time it was sent at. No process, no socket.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
@@ -401,3 +402,44 @@ def test_a_cancelled_pair_does_not_take_the_rider_with_it(loop: VirtualTimeLoop)
     add(node, peer("c", 3000))
     loop.advance(1.0)
     assert _catchups(supervisor)[-1] == ("c", 7)
+
+
+# -- registry watcher restarts ---------------------------------------------------------------------------------------
+
+
+def test_the_registry_watcher_restarts_on_the_schedule(loop: VirtualTimeLoop, tmp_path: Any) -> None:
+    from shared.store import Store
+
+    node, _ = make_node(loop)
+    node.store = Store(tmp_path, "self")
+    calls: list[float] = []
+    healthy_until = {"t": -1.0}
+
+    def sync(system: Any) -> None:
+        calls.append(loop.time())
+        if loop.time() > healthy_until["t"]:
+            raise RuntimeError("registry unreadable")
+
+    node.sync_registry = sync  # type: ignore[method-assign]
+    task = loop.create_task(node._registry_loop())
+    try:
+        loop.advance(16.0)
+        # Full jitter on 1 -> 30 s with draws of 0.5: waits of 0.5, 1, 2, 4, 8 s between the failed iterations.
+        assert calls == pytest.approx([0.0, 0.5, 1.5, 3.5, 7.5, 15.5])
+        # An iteration that comes up and throws at once is a failure: the delay keeps growing, up to 30 s.
+        loop.advance(16.0)
+        assert calls[-1] == pytest.approx(30.5)
+        # The next iteration (at 45.5 s) comes up and stays live; a change read 12.5 s later fails. It stayed
+        # live past 10 s, so the schedule was reset and the restart waits 0.5 s again.
+        healthy_until["t"] = 57.5
+        loop.advance_to(58.0)
+        assert calls[-1] == pytest.approx(45.5)
+        node.poke_registry()
+        loop.advance(0.3)
+        assert calls[-1] == pytest.approx(58.0)
+        loop.advance(1.0)
+        assert calls[-1] == pytest.approx(58.5)
+    finally:
+        task.cancel()
+        loop.run(asyncio.gather(task, return_exceptions=True))
+        node.store.close()
