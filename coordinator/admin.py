@@ -12,7 +12,6 @@ import msgspec
 from aiohttp import web
 
 from coordinator.metrics import CONTENT_TYPE
-from coordinator.registry import SYSTEM
 from shared.config import DATABASE_PATTERN_RE, NAME_RE
 from shared.keys import normalize_url
 from shared.store import BadName, NodeRow, UnknownDatabase, delete_node, read_nodes, write_node
@@ -201,6 +200,3 @@ def status_document(node: Node) -> dict[str, Any]:
         "workers": workers,
         "connections": connections,
     }
-
-
-__all__ = ["SYSTEM", "AdminServer", "status_document"]

@@ -12,7 +12,6 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 from coordinator.local_cluster import LocalCluster
 
@@ -138,6 +137,3 @@ async def _metrics_sample(cluster: LocalCluster, name: str) -> tuple[int, list[s
         text = await response.text()
     lines = [line for line in text.splitlines() if line.startswith(wanted)]
     return response.status, lines
-
-
-__all__: list[Any] = ["run_demo"]

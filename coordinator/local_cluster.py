@@ -14,15 +14,16 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
 from shared.tls import client_context, create_ca, issue_node_cert
 
 HOST = "127.0.0.1"
+T = TypeVar("T")
 
 
 def free_ports(count: int) -> list[int]:
@@ -252,10 +253,9 @@ class LocalCluster:
             return response.status, await response.json(content_type=None)
 
     async def wait_ready(self, names: Iterable[str] | None = None, timeout: float = 60.0) -> None:
-        names = list(names or self.nodes)
-        deadline = time.monotonic() + timeout
-        pending = set(names)
-        while pending:
+        pending = set(names or self.nodes)
+
+        async def check() -> tuple[bool, list[str]]:
             for name in list(pending):
                 node = self.nodes[name]
                 if not node.running:
@@ -266,10 +266,9 @@ class LocalCluster:
                     status = 0
                 if status == 200:
                     pending.discard(name)
-            if pending:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"nodes not ready after {timeout} s: {sorted(pending)}")
-                await asyncio.sleep(0.1)
+            return not pending, sorted(pending)
+
+        await poll_until(check, timeout, lambda left: f"nodes not ready after {timeout} s: {left}")
 
     async def digests(self, database: str, names: Iterable[str] | None = None) -> dict[str, Any]:
         found = {}
@@ -288,17 +287,19 @@ class LocalCluster:
         """Wait until every node has the same digest for `database`; returns the seconds it took."""
         names = list(names or self.nodes)
         started = time.monotonic()
-        while True:
+
+        async def check() -> tuple[bool, dict[str, Any]]:
             digests = await self.digests(database, names)
             values = list(digests.values())
             same = values[0] is not None and all(v == values[0] for v in values)
             if same and expect_count is not None:
                 same = sum(table["count"] for table in values[0].values()) == expect_count
-            if same:
-                return time.monotonic() - started
-            if time.monotonic() - started > timeout:
-                raise TimeoutError(f"{database} did not converge in {timeout} s: {json.dumps(digests)[:2000]}")
-            await asyncio.sleep(0.1)
+            return same, digests
+
+        await poll_until(
+            check, timeout, lambda digests: f"{database} did not converge in {timeout} s: {json.dumps(digests)[:2000]}"
+        )
+        return time.monotonic() - started
 
     async def wait_connected(
         self, names: Iterable[str] | None = None, timeout: float = 60.0, databases: Iterable[str] = ()
@@ -306,8 +307,8 @@ class LocalCluster:
         """Wait until every pair each node wants is connected (and there is a pair for each of `databases`)."""
         required = set(databases)
         names = list(names or self.nodes)
-        deadline = time.monotonic() + timeout
-        while True:
+
+        async def check() -> tuple[bool, list[str]]:
             missing = []
             for name in names:
                 status, body = await self.admin(name, "/status")
@@ -325,11 +326,30 @@ class LocalCluster:
                     )
                     have = {d["database"] for d in connection["databases"]}
                     missing.extend(f"{name}->{peer}/{d} (no pair yet)" for d in sorted(required - have))
-            if not missing:
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"not connected after {timeout} s: {missing}")
-            await asyncio.sleep(0.1)
+            return not missing, missing
+
+        await poll_until(check, timeout, lambda missing: f"not connected after {timeout} s: {missing}")
+
+
+async def poll_until(
+    check: Callable[[], Awaitable[tuple[bool, T]]],
+    timeout: float,
+    describe: Callable[[T], str],
+    interval: float = 0.1,
+) -> T:
+    """Run `check` until it reports done, waiting `interval` between tries; returns its last value.
+
+    A node is observed over HTTP, so waiting on its state is polling; the deadline makes a wait that cannot end
+    fail with what was still missing (`describe` of the last value).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        done, value = await check()
+        if done:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(describe(value))
+        await asyncio.sleep(interval)
 
 
 def _toml(value: Any) -> str:

@@ -7,14 +7,13 @@ running after SIGTERM is killed with its whole process group.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from coordinator.local_cluster import LocalCluster
+from coordinator.local_cluster import LocalCluster, poll_until
 
 # Short thresholds so that recovery paths run within a test's time; the defaults are the seed's values.
 FAST = {"reconcile_interval": 1.0, "shutdown_timeout": 8.0}
@@ -57,13 +56,14 @@ async def mesh(mesh_cluster: LocalCluster) -> AsyncIterator[LocalCluster]:
 
 async def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
     """Poll an async or sync predicate until it returns something truthy, or fail naming what was awaited."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    async def check() -> tuple[bool, Any]:
         value = predicate()
         if asyncio.iscoroutine(value):
             value = await value
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(interval)
+        return bool(value), value
+
+    try:
+        return await poll_until(check, timeout, lambda _: what, interval)
+    except TimeoutError:
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}") from None
