@@ -6,18 +6,16 @@ PUT /nodes/{name} {"url", "databases", "replicates"[, "leader", "revoked"]}   DE
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from aiohttp import web
 
 from coordinator.metrics import CONTENT_TYPE
+from coordinator.view import AdminView
 from shared.config import DATABASE_PATTERN_RE, NAME_RE
 from shared.keys import normalize_url
 from shared.store import BadName, NodeRow, UnknownDatabase, delete_node, read_nodes, write_node
-
-if TYPE_CHECKING:
-    from coordinator.node import Node
 
 _json = msgspec.json.Encoder()
 
@@ -39,7 +37,7 @@ class NodeUpdate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class AdminServer:
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: AdminView) -> None:
         self._node = node
         self._runner: web.AppRunner | None = None
         app = web.Application()
@@ -152,7 +150,7 @@ class AdminServer:
         return _reply({"database": name, "tables": database.digest()})
 
 
-def status_document(node: Node) -> dict[str, Any]:
+def status_document(node: AdminView) -> dict[str, Any]:
     now = node.loop.time()
     workers = [
         {

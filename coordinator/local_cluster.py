@@ -2,6 +2,11 @@
 
 Each node is a real `replicator run` process with its own certificate from a CA made here, its own data folder
 and its log (JSON lines) in `<dir>/<name>/node.log`. Only 127.0.0.1 is ever used.
+
+A link between two nodes can run through proxies that a test cuts and heals (`proxied`): each node's configured
+URL for the other then names a proxy's port, and still the host its certificate is issued for, so TLS host
+verification stays on. The proxies come from `proxy_factory` (the integration tests pass their `LinkProxy`), which
+keeps test tooling out of this package.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import aiohttp
 
@@ -24,6 +29,84 @@ from shared.tls import client_context, create_ca, issue_node_cert
 
 HOST = "127.0.0.1"
 T = TypeVar("T")
+# Where Debian's libfaketime (package faketime) puts the preload library, multiarch first.
+LIBFAKETIME_GLOBS = (
+    "/usr/lib/*/faketime/libfaketime.so.1",
+    "/usr/lib/faketime/libfaketime.so.1",
+    "/usr/local/lib/faketime/libfaketime.so.1",
+)
+
+
+def find_libfaketime() -> Path | None:
+    """The libfaketime preload library, or None when it is not installed."""
+    for pattern in LIBFAKETIME_GLOBS:
+        found = sorted(Path("/").glob(pattern.lstrip("/")))
+        if found:
+            return found[0]
+    return None
+
+
+def faketime_env(offset: str) -> dict[str, str] | None:
+    """Environment that runs a node with its wall clock moved by `offset` (libfaketime's syntax, e.g. "+400d");
+    None when libfaketime is not installed.
+
+    Only the wall clock moves: the monotonic clock, which every deadline uses, stays true. Spawned workers inherit
+    the environment and with it the same offset.
+    """
+    library = find_libfaketime()
+    if library is None:
+        return None
+    return {
+        "LD_PRELOAD": str(library),
+        "FAKETIME": offset,
+        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+        "FAKETIME_DONT_RESET": "1",
+    }
+
+
+class LinkEnd(Protocol):
+    """A proxy listening on `port` in front of one node's port."""
+
+    port: int
+
+    def cut(self) -> None: ...
+
+    def heal(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class ProxiedLink:
+    """Both directions of the link between two nodes, each node dialling the other through its own proxy.
+
+    Either node may dial the other (in a mesh both do), so a cut acts on both proxies at once.
+    """
+
+    def __init__(self, a: str, b: str, a_to_b: LinkEnd, b_to_a: LinkEnd) -> None:
+        self.nodes = (a, b)
+        self._ends = {(a, b): a_to_b, (b, a): b_to_a}
+
+    def __repr__(self) -> str:
+        return f"<ProxiedLink {self.nodes[0]}-{self.nodes[1]}>"
+
+    def via(self, dialler: str, target: str) -> LinkEnd:
+        """The proxy that `dialler` reaches `target` through."""
+        return self._ends[(dialler, target)]
+
+    def cut(self) -> None:
+        for end in self._ends.values():
+            end.cut()
+
+    def heal(self) -> None:
+        for end in self._ends.values():
+            end.heal()
+
+    def close(self) -> None:
+        a_to_b, b_to_a = self._ends.values()
+        try:
+            a_to_b.close()
+        finally:
+            b_to_a.close()
 
 
 def free_ports(count: int) -> list[int]:
@@ -54,6 +137,7 @@ class LocalNode:
         self.peers: list[str] = []
         self.outside_peers: dict[str, str] = {}  # name -> url of peers that are not nodes of this cluster
         self.extra: dict[str, dict[str, Any]] = {}
+        self.env: dict[str, str] = {}  # added to the environment of every start of this node
 
     @property
     def url(self) -> str:
@@ -83,17 +167,18 @@ class LocalNode:
             lines.append(f"[{section}]")
             lines.extend(f"{key} = {_toml(value)}" for key, value in values.items())
             lines.append("")
-        routes = {peer: self.cluster.nodes[peer].url for peer in self.peers} | self.outside_peers
+        routes = {peer: self.cluster.peer_url(self.name, peer) for peer in self.peers} | self.outside_peers
         for peer, url in routes.items():
             lines += ["[[peers]]", f"name = {_toml(peer)}", f"url = {_toml(url)}", ""]
         self.config_path.write_text("\n".join(lines))
 
     def start(self, env: dict[str, str] | None = None, args: Iterable[str] = ()) -> None:
         assert self.process is None or self.process.poll() is not None, f"{self.name} is running"
+        self.cluster.open_links()
         self.write_config()
         self._term_sent = False
         log = self.log_path.open("ab")
-        child_env = {**os.environ, **(env or {})}
+        child_env = {**os.environ, **self.env, **(env or {})}
         repo = str(Path(__file__).resolve().parent.parent)
         child_env["PYTHONPATH"] = repo + os.pathsep + child_env.get("PYTHONPATH", "")
         self.process = subprocess.Popen(
@@ -170,7 +255,12 @@ class LocalCluster:
         topology: str | dict[str, list[str]] = "mesh",
         replication: dict[str, Any] | None = None,
         token: str = "",
+        env: dict[str, dict[str, str]] | None = None,
+        proxied: Iterable[tuple[str, str]] = (),
+        proxy_factory: Callable[[int], LinkEnd] | None = None,
     ) -> None:
+        """`env`: extra environment per node name. `proxied`: node pairs whose link runs through proxies made by
+        `proxy_factory(target_port)`, opened by `prepare()` and closed by `stop()`."""
         self.dir = Path(directory)
         self.workers = workers
         self.token = token
@@ -188,9 +278,21 @@ class LocalCluster:
         elif isinstance(topology, dict):
             for name, peers in topology.items():
                 self.nodes[name].peers = list(peers)
+        for name, extra_env in (env or {}).items():
+            self.nodes[name].env = dict(extra_env)
+        self._proxied: list[tuple[str, str]] = []
+        for a, b in proxied:
+            if a == b or a not in self.nodes or b not in self.nodes:
+                raise ValueError(f"cannot proxy the link {a}-{b}: it needs two distinct nodes of {sorted(self.nodes)}")
+            self._proxied.append((a, b))
+        if self._proxied and proxy_factory is None:
+            raise ValueError("proxied links need a proxy_factory")
+        self._proxy_factory = proxy_factory
+        self._links: dict[frozenset[str], ProxiedLink] = {}
         self._http: aiohttp.ClientSession | None = None
 
     def prepare(self) -> None:
+        self.open_links()
         self.dir.mkdir(parents=True, exist_ok=True)
         ca_dir = self.dir / "ca"
         if not (ca_dir / "ca.pem").exists():
@@ -204,6 +306,46 @@ class LocalCluster:
     def __getitem__(self, name: str) -> LocalNode:
         return self.nodes[name]
 
+    # -- proxied links ------------------------------------------------------------------------------------------
+
+    def open_links(self) -> None:
+        """Start the proxies of every proxied link that has none running (after `stop()`, on new ports)."""
+        for a, b in self._proxied:
+            if frozenset((a, b)) in self._links:
+                continue
+            assert self._proxy_factory is not None
+            a_to_b = self._proxy_factory(self.nodes[b].port)
+            try:
+                b_to_a = self._proxy_factory(self.nodes[a].port)
+            except BaseException:
+                a_to_b.close()
+                raise
+            self._links[frozenset((a, b))] = ProxiedLink(a, b, a_to_b, b_to_a)
+
+    def close_links(self) -> None:
+        links, self._links = list(self._links.values()), {}
+        for link in links:
+            link.close()
+
+    def proxy(self, a: str, b: str) -> ProxiedLink:
+        """The proxied link between `a` and `b` (either order)."""
+        try:
+            return self._links[frozenset((a, b))]
+        except KeyError:
+            raise KeyError(f"the link {a}-{b} is not proxied (or its proxies are closed)") from None
+
+    def peer_url(self, name: str, peer: str) -> str:
+        """The URL `name` dials `peer` at: the peer's own port, or the proxy's for a proxied link.
+
+        The host stays the one the peer's certificate names, so the dialler verifies it as usual.
+        """
+        link = self._links.get(frozenset((name, peer)))
+        if link is not None:
+            return f"wss://{HOST}:{link.via(name, peer).port}"
+        if (name, peer) in self._proxied or (peer, name) in self._proxied:
+            raise RuntimeError(f"the proxies of the link {name}-{peer} are not running")
+        return self.nodes[peer].url
+
     def start(self, env: dict[str, str] | None = None) -> None:
         for node in self.nodes.values():
             node.start(env)
@@ -215,6 +357,7 @@ class LocalCluster:
                 node.signal(signal.SIGTERM)
         for name, node in self.nodes.items():
             codes[name] = node.stop()
+        self.close_links()
         return codes
 
     # -- HTTP ---------------------------------------------------------------------------------------------------

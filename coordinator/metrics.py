@@ -12,17 +12,14 @@ coordinator's own state, so a pair that is gone has no series left.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from coordinator.view import MetricsView
 from shared.logs import log
 from shared.messages import CounterDelta
-
-if TYPE_CHECKING:
-    from coordinator.node import Node
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # The warnings most worth graphing when they are sampled; their suppressed counters start at 0 so a rate exists.
@@ -33,7 +30,7 @@ disable_created_metrics()
 
 
 class Metrics:
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: MetricsView) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         registry = self.registry
         # Fed by the workers' increments.
@@ -103,7 +100,7 @@ class Metrics:
 class _StateCollector(Collector):
     """Series computed at scrape time from the coordinator's state."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: MetricsView) -> None:
         self._node = node
 
     def describe(self) -> Iterator[Metric]:

@@ -22,7 +22,8 @@ from typing import Any
 
 import msgspec
 
-from coordinator import registry
+from coordinator import registry, scaling
+from coordinator.admin import AdminServer
 from coordinator.metrics import Metrics
 from coordinator.registry import SYSTEM, NodeView
 from coordinator.replication_map import Entry, PairState, ReplicationMap, StallWatch, should_fire_stall_kick
@@ -80,6 +81,9 @@ class Node:
             rng=self.rng,
         )
         self.scheduler = self._new_scheduler()
+        # One sweep for every path that dispatches (registry, stale workers, wedge re-drives, scaling): any two
+        # dispatches keep `stagger` apart, whichever paths they come from (invariant 2).
+        self.ladder = self.scheduler.sweep()
         self.views: dict[str, NodeView] = {}
         self.holds: set[str] = set()
         # Self-catchup riders: database -> own last version, until a worker has accepted the request.
@@ -97,7 +101,7 @@ class Node:
         self.worker_ready = asyncio.Event()  # set on every worker's Ready; scaling waits on it
         self._closing = False
         self._tasks: list[asyncio.Task[Any]] = []
-        self._admin: Any = None
+        self._admin: AdminServer | None = None
 
     def _new_scheduler(self) -> SetupScheduler:
         rep = self.config.replication
@@ -172,8 +176,6 @@ class Node:
         for database in sorted(self.holds):
             self.catchup[database] = self.store.database(database).last_own_version()
         self._write_own_row(system)
-        from coordinator.admin import AdminServer
-
         self._admin = AdminServer(self)
         try:
             await self._admin.start()
@@ -373,7 +375,7 @@ class Node:
             return
         if not changed and pair.connected and self.supervisor.is_live(pair.worker):
             return
-        if not self.scheduler.schedule(view.url, database, payload):
+        if not self.scheduler.schedule(view.url, database, payload, sweep=self.ladder):
             self.scheduler.refresh_pending(view.url, database, payload)
 
     def _replace_entry(self, entry: Entry) -> Entry:
@@ -614,17 +616,16 @@ class Node:
         log.flush()
 
     def reconcile_stale(self) -> None:
-        """Move every entry whose worker is dead or missing to live workers, in one sweep (stagger spacing)."""
+        """Move every entry whose worker is dead or missing to live workers, on the ladder (stagger spacing)."""
         stale = [entry for entry in self.map if not self.supervisor.is_live(entry.worker)]
         if not stale or not self.supervisor.live():
             return
-        sweep = self.scheduler.sweep()
         for entry in stale:
             replacement = self._replace_entry(entry)
             for database, pair in replacement.pairs.items():
                 self.reassignments += 1
                 log.info("stale_reassigned", peer=entry.peer, database=database, worker=replacement.worker)
-                if not self.scheduler.schedule(replacement.url, database, pair.payload, sweep=sweep):
+                if not self.scheduler.schedule(replacement.url, database, pair.payload, sweep=self.ladder):
                     self.scheduler.refresh_pending(replacement.url, database, pair.payload)
 
     def _redrive_base(self) -> float:
@@ -643,9 +644,8 @@ class Node:
             return
         log.warning("wedge_redrive", count=len(wedged))
         base = self._redrive_base()
-        stagger = self.config.replication.stagger
-        for index, entry in enumerate(wedged):
-            entry.arm(self.loop.call_later(base + index * stagger, self._fire_wedge, entry), "wedge")
+        for entry in wedged:
+            entry.arm(self.scheduler.call_at_slot(self.ladder, base, self._fire_wedge, entry), "wedge")
 
     @staticmethod
     def _is_wedged(pair: PairState, now: float, threshold: float) -> bool:
@@ -661,18 +661,22 @@ class Node:
             return
         now = self.loop.time()
         threshold = self.config.replication.wedge_threshold
-        for database, pair in entry.pairs.items():
-            if not self._is_wedged(pair, now, threshold):
-                continue
-            self.redrives["wedge"] += 1
-            pair.disconnected_at = now  # the next re-drive waits another threshold
-            if pair.accepted_by == entry.worker:
-                self.supervisor.send(
-                    entry.worker,
-                    messages.ForceReconnect(key=entry.key, database=database, reason="wedged: re-driven"),
-                )
-            elif not self.scheduler.schedule(entry.url, database, pair.payload):
-                self.scheduler.refresh_pending(entry.url, database, pair.payload)
+        wedged = [(database, pair) for database, pair in entry.pairs.items() if self._is_wedged(pair, now, threshold)]
+        if not wedged:
+            return
+        # One database per slot: re-driving all of an entry's databases at once would be a burst of handshakes.
+        database, pair = wedged[0]
+        self.redrives["wedge"] += 1
+        pair.disconnected_at = now  # the next re-drive waits another threshold
+        if pair.accepted_by == entry.worker:
+            self.supervisor.send(
+                entry.worker,
+                messages.ForceReconnect(key=entry.key, database=database, reason="wedged: re-driven"),
+            )
+        elif not self.scheduler.schedule(entry.url, database, pair.payload, sweep=self.ladder):
+            self.scheduler.refresh_pending(entry.url, database, pair.payload)
+        if len(wedged) > 1:
+            entry.arm(self.scheduler.call_at_slot(self.ladder, 0.0, self._fire_wedge, entry), "wedge")
 
     def _kick_stalled(self, now: float) -> None:
         threshold = self.config.replication.stall_threshold
@@ -775,9 +779,7 @@ class Node:
 
     async def scale(self, count: int) -> None:
         """Change the number of workers, moving pairs on the stagger ladder without dropping healthy sessions."""
-        from coordinator.scaling import scale
-
-        await scale(self, count)
+        await scaling.scale(self, count)
 
 
 def _setup_fields(payload: messages.Subscribe) -> tuple[Any, ...]:

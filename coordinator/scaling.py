@@ -1,28 +1,25 @@
 """Changing the worker count of a running node (SIGHUP with a new `node.workers`, or `Node.scale`).
 
 Scaling up spawns the new workers, waits for them to be ready, then moves a fair share of entries onto them.
-Scaling down first moves the retiring workers' entries onto the others, then stops those workers. Every move of one
-scaling step belongs to one setup sweep, so the dispatches keep the stagger spacing that bounds concurrent TLS
-setups; entries that stay where they are keep their sessions.
+Scaling down first moves the retiring workers' entries onto the others, then stops those workers. Every move takes
+a slot on the node's ladder, the sweep every setup path shares, so the dispatches keep the stagger spacing that bounds
+concurrent TLS setups; entries that stay where they are keep their sessions.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from coordinator.replication_map import Entry
 from coordinator.supervisor import wait_until
+from coordinator.view import ScalingView
 from shared import messages
 from shared.logs import log
-
-if TYPE_CHECKING:
-    from coordinator.node import Node
 
 READY_TIMEOUT = 60.0
 
 
-async def scale(node: Node, count: int) -> None:
+async def scale(node: ScalingView, count: int) -> None:
     supervisor = node.supervisor
     active = sorted(slot for slot, w in supervisor.workers.items() if not w.retiring)
     if count == len(active) or count < 1:
@@ -34,7 +31,7 @@ async def scale(node: Node, count: int) -> None:
         _scale_down(node, active, count)
 
 
-async def _scale_up(node: Node, active: list[int], count: int) -> None:
+async def _scale_up(node: ScalingView, active: list[int], count: int) -> None:
     supervisor = node.supervisor
     new_slots: list[int] = []
     slot = 0
@@ -63,26 +60,24 @@ async def _scale_up(node: Node, active: list[int], count: int) -> None:
     movable = []
     for slot in active:
         movable.extend(by_worker.get(slot, [])[target:])
-    sweep = node.scheduler.sweep()
     for index, entry in enumerate(movable):
         destination = ready_new[index % len(ready_new)]
         if len(by_worker.setdefault(destination, [])) >= target:
             continue
         by_worker[destination].append(entry)
-        move_entry(node, entry, destination, sweep)
+        move_entry(node, entry, destination)
     log.info("workers_scaled", workers=len(supervisor.live()), moved=len(movable))
 
 
-def _scale_down(node: Node, active: list[int], count: int) -> None:
+def _scale_down(node: ScalingView, active: list[int], count: int) -> None:
     supervisor = node.supervisor
     retiring = active[count:]
     for slot in retiring:
         supervisor.workers[slot].retiring = True
-    sweep = node.scheduler.sweep()
     moved = 0
     for entry in list(node.map):
         if entry.worker in retiring:
-            move_entry(node, entry, node.place(), sweep)
+            move_entry(node, entry, node.place())
             moved += 1
     deadline = node.config.replication.shutdown_timeout
     for slot in retiring:
@@ -90,8 +85,8 @@ def _scale_down(node: Node, active: list[int], count: int) -> None:
     log.info("workers_scaled", workers=count, moved=moved, retired=retiring)
 
 
-def move_entry(node: Node, entry: Entry, worker: int, sweep: object) -> None:
-    """Move an entry's pairs to another worker: unsubscribe on the old one, set up on the new one in the sweep."""
+def move_entry(node: ScalingView, entry: Entry, worker: int) -> None:
+    """Move an entry's pairs to another worker: unsubscribe on the old one, set up on the new one on the ladder."""
     old = entry.worker
     for database in entry.pairs:
         node.supervisor.send(old, messages.Unsubscribe(key=entry.key, database=database))
@@ -105,5 +100,5 @@ def move_entry(node: Node, entry: Entry, worker: int, sweep: object) -> None:
     for database, pair in replacement.pairs.items():
         node.reassignments += 1
         log.info("pair_moved", peer=entry.peer, database=database, worker=worker, from_worker=old)
-        if not node.scheduler.schedule(entry.url, database, pair.payload, sweep=sweep):
+        if not node.scheduler.schedule(entry.url, database, pair.payload, sweep=node.ladder):
             node.scheduler.refresh_pending(entry.url, database, pair.payload)

@@ -17,7 +17,8 @@ concurrent TLS handshakes (seed issue #446). A fixed ladder added on top of inde
 (seed finding #805: draws of 0.399 s and 0.2 s plus a 0.05 s ladder fire 0.149 s apart, and other draws land on
 one tick), so each setup of a sweep fires at the earliest time, not before its own delay, that keeps `stagger`
 from every time the sweep has already claimed. A pair backed off to 25 s claims a slot at 25 s and does not hold
-back the healthy pairs of the same sweep.
+back the healthy pairs of the same sweep. A dispatch the scheduler does not make itself (a forced reconnect of a
+wedged pair) takes a slot of the same sweep with `call_at_slot`, so it keeps the same spacing from the setups.
 """
 
 from __future__ import annotations
@@ -90,6 +91,40 @@ class Sweep:
         index = bisect.bisect_left(claimed, when)
         if index < len(claimed) and claimed[index] == when:
             del claimed[index]
+
+
+class SlotTimer:
+    """A callback at a claimed slot of a sweep (`SetupScheduler.call_at_slot`); the caller owns it.
+
+    Cancelling it before it fires hands the slot back, so an owner that is dropped holds back no later dispatch. A
+    slot that fired stays claimed: later claims keep `stagger` from a dispatch that happened.
+    """
+
+    __slots__ = ("_cancelled", "_handle", "_sweep", "when")
+
+    def __init__(self, sweep: Sweep, when: float) -> None:
+        self._sweep: Sweep | None = sweep  # None once fired or cancelled
+        self._handle: TimerHandle | None = None
+        self._cancelled = False
+        self.when = when
+
+    def cancel(self) -> None:
+        if self._sweep is None:
+            return
+        self._cancelled = True
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        self._sweep._release(self.when)
+        self._sweep = None
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def _fire(self, callback: Callable[..., object], args: tuple[Any, ...]) -> None:
+        self._sweep = None
+        self._handle = None
+        callback(*args)
 
 
 class _Armed:
@@ -217,6 +252,18 @@ class SetupScheduler:
                 armed.handle.cancel()
             armed.when = when
             armed.handle = self._loop.call_later(max(0.0, when - now), self._fire, armed)
+
+    def call_at_slot(self, sweep: Sweep, delay: float, callback: Callable[..., object], *args: Any) -> SlotTimer:
+        """Run `callback(*args)` at the earliest time, not before `delay` from now, free in `sweep`, and claim it.
+
+        For a dispatch made outside `schedule` that must keep the spacing of the sweep's setups.
+        """
+        now = self._loop.time()
+        when = sweep._free_slot(now + max(0.0, delay), self._stagger)
+        sweep._claim(when, now, self._stagger)
+        timer = SlotTimer(sweep, when)
+        timer._handle = self._loop.call_later(when - now, timer._fire, callback, args)
+        return timer
 
     def refresh_pending(self, peer_url: str, database: str, payload: Any) -> bool:
         """Replace the payload of the armed setup; False when none is armed."""

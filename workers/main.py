@@ -218,7 +218,10 @@ class Worker:
             raise BootError(f"cannot listen on {config.listen.host}:{config.listen.port}: {exc.strerror}") from None
         rep = config.replication
         resolver = PinnedResolver(rep.hosts, use_dns=rep.resolve == "system")
-        self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(resolver=resolver))
+        # limit=0: every replication session holds its connection for as long as it runs, and all the pairs to
+        # one peer share a worker, so aiohttp's default pool of 100 left every pair past the 100th waiting for a
+        # connection that never freed (issue 7: 51 of 150 databases never reached the peer).
+        self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, resolver=resolver))
 
     async def _ready(self) -> None:
         await self._booted.wait()

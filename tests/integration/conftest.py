@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from coordinator.local_cluster import LocalCluster, poll_until
+from tests.integration.proxy import LinkProxy
 
 # Short thresholds so that recovery paths run within a test's time; the defaults are the seed's values.
 FAST = {"reconcile_interval": 1.0, "shutdown_timeout": 8.0}
@@ -25,9 +26,11 @@ def make_cluster(tmp_path: Path) -> Iterator[Callable[..., LocalCluster]]:
 
     def make(names: list[str], **options: Any) -> LocalCluster:
         options.setdefault("replication", dict(FAST))
+        options.setdefault("proxy_factory", LinkProxy)
         cluster = LocalCluster(tmp_path / f"cluster{len(clusters)}", names, **options)
-        cluster.prepare()
+        # Registered before prepare() starts any proxy, so teardown closes whatever it started.
         clusters.append(cluster)
+        cluster.prepare()
         return cluster
 
     yield make

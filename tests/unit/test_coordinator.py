@@ -118,7 +118,12 @@ def test_a_storm_of_node_updates_dispatches_the_newest_payload_on_the_schedule(l
         add(node, peer("b", 2000, leader=i % 2 == 1, version=i + 1))
     loop.advance_to(60.0)
     dispatched = [(t, m) for t, _, m in supervisor.of(messages.Subscribe) if m.database == "db"]
-    assert [round(t, 2) for t, _ in dispatched] == [0.3, 0.8, 1.7, 3.4, 6.7, 13.2, 26.1, 41.2, 56.3]
+    schedule = [0.3, 0.8, 1.7, 3.4, 6.7, 13.2, 26.1, 41.2, 56.3]
+    # Each pair keeps its own schedule; the two pairs share the ladder, so db, armed second, takes the slot
+    # `stagger` after system's.
+    assert [round(t, 6) for t, _ in dispatched] == [round(t + STAGGER, 6) for t in schedule]
+    system = [t for t, _, m in supervisor.of(messages.Subscribe) if m.database == "system"]
+    assert [round(t, 6) for t in system] == schedule
     # Leadership is recomputed from the latest node state on every update, never carried forward.
     for when, message in dispatched:
         latest = round(when / 0.01) - 1
@@ -174,8 +179,11 @@ def _force_reconnects(supervisor: FakeSupervisor, key: str) -> list[Any]:
 
 def test_wedged_pair_is_redriven_by_its_owned_timer(loop: VirtualTimeLoop) -> None:
     node, supervisor, view = _wedged(loop)
-    loop.advance(0.3 + 0.01)  # one draw of 0.5 in [0.2, 0.4): 0.3 s
-    assert len(_force_reconnects(supervisor, connection_key(view.url))) == 2  # system and db
+    loop.advance(1.0)  # one draw of 0.5 in [0.2, 0.4): 0.3 s after the pass, then one slot per database
+    assert _sends(supervisor, since=WEDGE) == [
+        (WEDGE + 1.3, "force", connection_key(view.url), "system"),
+        (WEDGE + 1.35, "force", connection_key(view.url), "db"),
+    ]
     assert node.redrives["wedge"] == 2
     assert node.map.by_peer("b").redrive is None  # type: ignore[union-attr]
 
@@ -350,6 +358,174 @@ def test_a_dead_workers_pairs_move_in_one_sweep_spaced_by_the_stagger(loop: Virt
     assert all(b - a >= STAGGER - 1e-9 for a, b in itertools.pairwise(times))
     assert all(slot != victim for _, slot, _ in supervisor.of(messages.Subscribe))
     assert node.reassignments == 2 * len(moved)
+
+
+# -- every path keeps the stagger (invariant 2) ---------------------------------------------------------------------
+
+
+def _accept_all(node: Node, view: NodeView) -> None:
+    entry = node.map.by_peer(view.name)
+    assert entry is not None
+    for database in entry.pairs:
+        accepted = messages.SubscribeAccepted(key=entry.key, database=database, dispatch=1, catchup=False)
+        node.on_worker_message(entry.worker, accepted)
+
+
+def _sends(supervisor: FakeSupervisor, since: float = 0.0) -> list[tuple[float, str, str, str]]:
+    """(time, kind, peer url, database) of every setup and forced reconnect sent at or after `since`."""
+    out = []
+    for when, _, message in supervisor.sent:
+        if when < since:
+            continue
+        if isinstance(message, messages.Subscribe):
+            out.append((round(when, 9), "setup", message.url, message.database))
+        elif isinstance(message, messages.ForceReconnect):
+            out.append((round(when, 9), "force", message.key, message.database))
+    return out
+
+
+def _assert_spaced(times: list[float]) -> None:
+    ordered = sorted(times)
+    assert all(b - a >= STAGGER - 1e-9 for a, b in itertools.pairwise(ordered)), ordered
+
+
+def test_an_entrys_wedged_databases_are_redriven_one_slot_each(loop: VirtualTimeLoop) -> None:
+    node, supervisor = make_node(loop)
+    view = peer("b", 2000, holds=("db1", "db2"))
+    add(node, view)
+    loop.advance(1.0)
+    _accept_all(node, view)
+    entry = node.map.by_peer("b")
+    assert entry is not None and list(entry.pairs) == ["system", "db1", "db2"]
+    loop.advance_to(WEDGE + 1.0)
+    node.reconcile()
+    # The entry owns one timer at a time: the first slot now, each next slot armed when the previous one fires.
+    first = entry.redrive
+    assert first is not None and entry.redrive_kind == "wedge"
+    loop.advance_to(WEDGE + 1.3)
+    assert entry.redrive is not None and entry.redrive is not first and entry.redrive_kind == "wedge"
+    loop.advance(5.0)
+    assert _sends(supervisor, since=WEDGE) == [
+        (WEDGE + 1.3, "force", view.url, "system"),
+        (WEDGE + 1.35, "force", view.url, "db1"),
+        (WEDGE + 1.4, "force", view.url, "db2"),
+    ]
+    assert entry.redrive is None
+    assert node.redrives["wedge"] == 3
+    assert 'replicator_redrives_total{kind="wedge"} 3.0' in node.metrics.render().decode()
+    # Each re-driven pair waits another threshold before the next re-drive.
+    node.reconcile()
+    assert entry.redrive is None
+
+
+def test_dropping_an_entry_mid_redrive_cancels_its_timer_and_frees_its_slot(loop: VirtualTimeLoop) -> None:
+    node, supervisor = make_node(loop)
+    view = peer("b", 2000, holds=("db1", "db2"))
+    add(node, view)
+    loop.advance(1.0)
+    _accept_all(node, view)
+    loop.advance_to(WEDGE + 1.0)
+    node.reconcile()
+    loop.advance_to(WEDGE + 1.3)  # system re-driven; db1's slot at 31.35 is claimed
+    entry = node.map.by_peer("b")
+    assert entry is not None
+    timer = entry.redrive
+    assert timer is not None and round(timer.when, 9) == WEDGE + 1.35
+    node.on_node_removed("b")
+    assert timer.cancelled() and entry.redrive is None
+    assert [round(t, 9) for t in node.ladder.claimed] == [WEDGE + 1.3]  # the fired slot stays, db1's is free
+    add(node, peer("c", 3000))  # a setup armed now may take the freed slot
+    loop.advance(5.0)
+    assert _sends(supervisor, since=WEDGE) == [
+        (WEDGE + 1.3, "force", view.url, "system"),
+        (WEDGE + 1.6, "setup", "wss://127.0.0.1:3000", "system"),
+        (WEDGE + 1.65, "setup", "wss://127.0.0.1:3000", "db"),
+    ]
+
+
+def test_a_registry_update_adding_several_pairs_dispatches_them_stagger_apart(
+    loop: VirtualTimeLoop, tmp_path: Any
+) -> None:
+    from shared.store import NodeRow, Store, write_node
+
+    node, supervisor = make_node(loop)
+    node.store = Store(tmp_path, "self")
+    try:
+        system = node.system()
+        loop.advance_to(10.0)
+        for name, port in (("b", 2000), ("c", 3000)):
+            row = NodeRow(name=name, url=f"wss://127.0.0.1:{port}", replicates=True, holds=["db1", "db2"])
+            write_node(system, row)
+        node.sync_registry(system)  # one update: two peers, three pairs each, every draw 0.5 (0.3 s)
+        loop.advance(5.0)
+        assert _sends(supervisor) == [
+            (10.3, "setup", "wss://127.0.0.1:2000", "system"),
+            (10.35, "setup", "wss://127.0.0.1:2000", "db1"),
+            (10.4, "setup", "wss://127.0.0.1:2000", "db2"),
+            (10.45, "setup", "wss://127.0.0.1:3000", "system"),
+            (10.5, "setup", "wss://127.0.0.1:3000", "db1"),
+            (10.55, "setup", "wss://127.0.0.1:3000", "db2"),
+        ]
+    finally:
+        node.store.close()
+
+
+def test_a_registry_update_during_a_stale_sweep_keeps_the_spacing(loop: VirtualTimeLoop) -> None:
+    node, supervisor = make_node(loop)
+    b = peer("b", 2000)
+    add(node, b)
+    loop.advance(1.0)
+    entry = node.map.by_peer("b")
+    assert entry is not None
+    for database in ("system", "db"):
+        connect(node, b, database, worker=entry.worker, session=1)  # resets the pairs' delays to the first, 0.3 s
+    loop.advance_to(10.0)
+    supervisor.workers[entry.worker].alive = False
+    node.on_worker_exit(supervisor.workers[entry.worker])  # type: ignore[arg-type]
+    loop.advance_to(10.02)
+    # 20 ms into the stale sweep, a registry update adds c: its own delays put it at 10.32, 20 ms from b's
+    # system setup; the shared ladder moves it to the first free slots after the sweep's.
+    add(node, peer("c", 3000))
+    loop.advance_to(11.0)
+    node.reconcile()  # and a pass in between adds nothing (no stale entry, nothing wedged)
+    loop.advance(5.0)
+    assert _sends(supervisor, since=10.0) == [
+        (10.3, "setup", b.url, "system"),
+        (10.35, "setup", b.url, "db"),
+        (10.4, "setup", "wss://127.0.0.1:3000", "system"),
+        (10.45, "setup", "wss://127.0.0.1:3000", "db"),
+    ]
+
+
+def test_wedge_redrives_registry_setups_and_a_stale_sweep_share_one_ladder(loop: VirtualTimeLoop) -> None:
+    node, supervisor = make_node(loop)
+    b, c, e = peer("b", 2000), peer("c", 3000), peer("e", 5000)
+    add(node, b)
+    add(node, c)
+    loop.advance(2.0)
+    _accept_all(node, b)  # b's pairs are accepted and never connect: they wedge and are forced to reconnect
+    victim = node.map.by_peer("c").worker  # type: ignore[union-attr]
+    assert node.map.by_peer("b").worker != victim  # type: ignore[union-attr]
+    for database in ("system", "db"):  # c is up on its worker, which then dies: the stale sweep moves it
+        connect(node, c, database, worker=victim, session=1)
+    loop.advance_to(WEDGE + 1.0)
+    node.reconcile()  # b is wedged: its first re-drive takes the slot at 31.3
+    supervisor.workers[victim].alive = False
+    node.on_worker_exit(supervisor.workers[victim])  # type: ignore[arg-type]
+    add(node, e)  # and a new peer from the registry, at the same instant
+    loop.advance(5.0)
+    sends = _sends(supervisor, since=WEDGE)
+    # Every draw is 0.5 (0.3 s): all six would fire at 31.3 without the shared ladder. b's second re-drive claims
+    # its slot when the first fires, after the slots the sweep and the update claimed at 31.0.
+    assert sends == [
+        (WEDGE + 1.3, "force", b.url, "system"),
+        (WEDGE + 1.35, "setup", c.url, "system"),
+        (WEDGE + 1.4, "setup", c.url, "db"),
+        (WEDGE + 1.45, "setup", e.url, "system"),
+        (WEDGE + 1.5, "setup", e.url, "db"),
+        (WEDGE + 1.55, "force", b.url, "db"),
+    ]
+    _assert_spaced([t for t, *_ in sends])
 
 
 # -- self-catchup ----------------------------------------------------------------------------------------------------

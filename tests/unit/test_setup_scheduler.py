@@ -368,6 +368,33 @@ def test_an_armed_setup_in_two_sweeps_stays_clear_of_both(loop: VirtualTimeLoop)
     assert_spaced([fired["a"], fired["c"]])
 
 
+def test_a_slot_outside_schedule_keeps_the_spacing_and_is_given_back_when_cancelled(loop: VirtualTimeLoop) -> None:
+    scheduler, rec = make(loop, Draws(0.5, 0.5))
+    sweep = scheduler.sweep()
+    fired: list[tuple[float, str]] = []
+
+    def force(name: str) -> None:
+        fired.append((round(loop.time(), 9), name))
+
+    scheduler.schedule("wss://a:1", "db", "a", sweep=sweep)  # 0.3
+    first = scheduler.call_at_slot(sweep, 0.3, force, "x")  # 0.3 is a's: 0.35
+    second = scheduler.call_at_slot(sweep, 0.0, force, "y")  # 0.0 is free: nothing was claimed within 0.05
+    third = scheduler.call_at_slot(sweep, 0.3, force, "z")  # 0.4
+    assert (first.when, second.when, third.when) == (pytest.approx(0.35), 0.0, pytest.approx(0.4))
+    third.cancel()
+    assert third.cancelled() and not first.cancelled()
+    assert sweep.claimed == pytest.approx((0.0, 0.3, 0.35))  # the cancelled slot is free again
+    scheduler.schedule("wss://b:1", "db", "b", sweep=sweep)  # 0.3 -> 0.4, the slot z gave back
+    loop.advance(0.35)
+    first.cancel()  # after it fired: nothing to cancel, and the slot of a dispatch that happened stays claimed
+    assert not first.cancelled()
+    assert sweep.claimed == pytest.approx((0.0, 0.3, 0.35, 0.4))
+    loop.advance(1)
+    assert fired == [(0.0, "y"), (0.35, "x")]
+    assert rec.times() == [pytest.approx(0.3), pytest.approx(0.4)]
+    assert loop.pending_timers() == []
+
+
 pair_states = st.tuples(
     st.sampled_from(["fresh", "escalated", "armed"]),
     st.integers(1, 7),  # dispatches before the sweep, for "escalated"

@@ -126,6 +126,20 @@ def test_node_serials_are_random(ca_dir: Path, tmp_path: Path) -> None:
     assert _cert(first).serial_number != _cert(second).serial_number
 
 
+def test_certificates_outlast_a_clock_400_days_ahead(tmp_path: Path) -> None:
+    # A node whose clock runs 400 days ahead must still accept every certificate the tooling made today
+    # (issue 7 runs one under libfaketime); the margin covers a test run that starts a while after issuing.
+    ahead = dt.timedelta(days=400 + 30)
+    assert cmd_certs_ca(str(tmp_path / "ca")) == 0
+    assert cmd_certs_node(str(tmp_path / "ca"), "a", ["127.0.0.1"], str(tmp_path / "a")) == 0
+    now = dt.datetime.now(dt.UTC)
+
+    for path in (tmp_path / "ca" / "ca.pem", tmp_path / "a" / "a.pem"):
+        cert = _cert(path)
+        assert cert.not_valid_before_utc <= now
+        assert cert.not_valid_after_utc > now + ahead, path
+
+
 @pytest.mark.parametrize(
     ("name", "hosts", "message"),
     [

@@ -1,0 +1,101 @@
+"""What the metrics collector, the admin server and worker scaling need of the node: one narrow view each.
+
+The node imports those modules to build them and hands itself in; they read it through these protocols, so none of
+them imports `coordinator.node` and the node's dependencies point one way. A `Node` satisfies every view here.
+Members are read-only properties unless the module writes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Set
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from coordinator.replication_map import ReplicationMap
+    from coordinator.setup_scheduler import SetupScheduler, Sweep
+    from coordinator.supervisor import Supervisor
+    from shared.config import Config
+    from shared.store import Database, Store
+
+
+class MetricsView(Protocol):
+    """The state the metrics collector reads at scrape time."""
+
+    @property
+    def config(self) -> Config: ...
+
+    @property
+    def map(self) -> ReplicationMap: ...
+
+    @property
+    def scheduler(self) -> SetupScheduler: ...
+
+    @property
+    def supervisor(self) -> Supervisor: ...
+
+    @property
+    def reassignments(self) -> int: ...
+
+    @property
+    def redrives(self) -> Mapping[str, int]: ...
+
+
+class RendersMetrics(Protocol):
+    def render(self) -> bytes: ...
+
+
+class AdminView(MetricsView, Protocol):
+    """What the admin HTTP server reads and asks of the node."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
+
+    @property
+    def store(self) -> Store | None: ...
+
+    @property
+    def holds(self) -> Set[str]: ...
+
+    @property
+    def boot_error(self) -> str: ...
+
+    @property
+    def metrics(self) -> RendersMetrics: ...
+
+    def system(self) -> Database: ...
+
+    def poke_registry(self) -> None: ...
+
+
+class ScalingView(Protocol):
+    """What a change of the worker count reads, and the entries and counter it moves."""
+
+    reassignments: int
+
+    @property
+    def config(self) -> Config: ...
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
+
+    @property
+    def map(self) -> ReplicationMap: ...
+
+    @property
+    def scheduler(self) -> SetupScheduler: ...
+
+    @property
+    def ladder(self) -> Sweep: ...
+
+    @property
+    def supervisor(self) -> Supervisor: ...
+
+    @property
+    def worker_ready(self) -> asyncio.Event: ...
+
+    def place(self) -> int: ...
