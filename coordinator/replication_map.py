@@ -42,8 +42,7 @@ class PairState:
     peer_head_seq: int = 0
     lag_seconds: float = 0.0
     applied: int = 0
-    copies: int = 0
-    copying: bool = False
+    caught_up: bool = False  # the peer's last batch said it had nothing more to serve
     reconnect_attempts: int = 0
     last_error: str = ""
     stall: StallWatch | None = None

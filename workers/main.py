@@ -244,7 +244,6 @@ class Worker:
                     key=message.key,
                     database=message.database,
                     dispatch=message.dispatch,
-                    catchup=message.catchup_after is not None,
                 )
             )
         elif action == "unsubscribe" and session is not None:

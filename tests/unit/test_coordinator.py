@@ -1,4 +1,4 @@
-"""The coordinator's decisions in virtual time: setups, re-drive timers, stall kicks, stale sweeps, self-catchup.
+"""The coordinator's decisions in virtual time: setups, re-drive timers, stall kicks, stale sweeps.
 
 The node runs on the virtual-time loop with a fake supervisor that records every message it would send to a
 worker, with the virtual time it was sent at. No process, no socket.
@@ -137,15 +137,16 @@ def test_a_connect_report_resets_the_delay_and_cancels_nothing(loop: VirtualTime
     assert any(m.database == "db" for _, _, m in supervisor.of(messages.Subscribe))
 
 
-def test_exclusions_name_this_node_and_the_other_direct_peers(loop: VirtualTimeLoop) -> None:
+def test_exclusions_name_the_other_direct_peers_never_this_node(loop: VirtualTimeLoop) -> None:
     node, supervisor = make_node(loop)
     add(node, peer("b", 2000))
     add(node, peer("c", 3000))
     node.on_node_update(node.views["b"], event=False)
     loop.advance(1.0)
     latest = {(m.peer, m.database): m for _, _, m in supervisor.of(messages.Subscribe)}
-    assert latest[("b", "db")].exclude == ["c", "self"]
-    assert latest[("c", "db")].exclude == ["b", "self"]
+    # Our own origin is always carried: a lost file gets our own writes back from the peers.
+    assert latest[("b", "db")].exclude == ["c"]
+    assert latest[("c", "db")].exclude == ["b"]
 
 
 # -- the re-drive timer and its five disarm points -----------------------------------------------------------------
@@ -159,7 +160,7 @@ def _wedged(loop: VirtualTimeLoop) -> tuple[Node, FakeSupervisor, NodeView]:
     entry = node.map.by_peer("b")
     assert entry is not None
     for database in ("system", "db"):
-        accepted = messages.SubscribeAccepted(key=entry.key, database=database, dispatch=1, catchup=False)
+        accepted = messages.SubscribeAccepted(key=entry.key, database=database, dispatch=1)
         node.on_worker_message(entry.worker, accepted)
     loop.advance_to(WEDGE + 1.0)
     node.reconcile()
@@ -257,7 +258,7 @@ def _stalled(loop: VirtualTimeLoop) -> tuple[Node, FakeSupervisor, NodeView]:
     key = connection_key(view.url)
     progress = messages.Progress(
         key=key, database="db", worker=0, session=41, last_received_seq=10, peer_head_seq=50,
-        lag_seconds=3.0, applied=10, copies=0,
+        lag_seconds=3.0, applied=10,
     )  # fmt: skip
     node.on_worker_message(0, progress)
     loop.advance_to(STALL + 1.0)
@@ -297,7 +298,6 @@ def test_progress_from_the_monitored_session_releases_the_kick(loop: VirtualTime
             peer_head_seq=50,
             lag_seconds=1.0,
             applied=11,
-            copies=0,
         ),
     )
     loop.advance(1.0)
@@ -344,67 +344,12 @@ def test_a_dead_workers_pairs_move_in_one_sweep_spaced_by_the_stagger(loop: Virt
     supervisor.sent.clear()
     supervisor.workers[victim].alive = False
     node.on_worker_exit(supervisor.workers[victim])  # type: ignore[arg-type]
-    loop.advance(40.0)
+    loop.advance(9.0)  # within failover_after: no route changes join the sweep
     times = sorted(t for t, slot, m in supervisor.of(messages.Subscribe))
     assert len(times) == 2 * len(moved)
     assert all(b - a >= STAGGER - 1e-9 for a, b in itertools.pairwise(times))
     assert all(slot != victim for _, slot, _ in supervisor.of(messages.Subscribe))
     assert node.reassignments == 2 * len(moved)
-
-
-# -- self-catchup ----------------------------------------------------------------------------------------------------
-
-
-def _catchups(supervisor: FakeSupervisor) -> list[tuple[str, int | None]]:
-    return [(m.peer, m.catchup_after) for _, _, m in supervisor.of(messages.Subscribe) if m.database == "db"]
-
-
-def test_the_self_catchup_rider_is_consumed_only_when_a_worker_accepts_it(loop: VirtualTimeLoop) -> None:
-    node, supervisor = make_node(loop)
-    node.catchup = {"db": 42}
-    b, c = peer("b", 2000), peer("c", 3000)
-    supervisor.deliver = False  # a failed pipe write does not consume it
-    add(node, b)
-    loop.advance(1.0)
-    assert _catchups(supervisor) == []
-    supervisor.deliver = True
-    add(node, peer("b", 2000, version=2))
-    loop.advance(1.0)
-    assert _catchups(supervisor) == [("b", 42)]
-    add(node, c)  # one peer per database: c is not asked while b's request is in flight
-    loop.advance(1.0)
-    assert _catchups(supervisor)[-1] == ("c", None)
-    # The worker died before accepting: the request is not lost.
-    entry = node.map.by_peer("b")
-    assert entry is not None
-    supervisor.workers[entry.worker].alive = False
-    node.on_worker_exit(supervisor.workers[entry.worker])  # type: ignore[arg-type]
-    loop.advance(2.0)
-    retried = [(p, after) for p, after in _catchups(supervisor) if after == 42]
-    assert len(retried) == 2
-    last = [m for _, _, m in supervisor.of(messages.Subscribe) if m.catchup_after == 42][-1]
-    node.on_worker_message(
-        0, messages.SubscribeAccepted(key=last.key, database="db", dispatch=last.dispatch, catchup=True)
-    )
-    assert node.catchup == {}
-    add(node, peer("c", 3000, version=5))
-    loop.advance(2.0)
-    assert all(after is None for _, after in _catchups(supervisor)[-1:])
-
-
-def test_a_cancelled_pair_does_not_take_the_rider_with_it(loop: VirtualTimeLoop) -> None:
-    node, supervisor = make_node(loop)
-    node.catchup = {"db": 7}
-    add(node, peer("b", 2000))
-    loop.advance(1.0)
-    assert _catchups(supervisor) == [("b", 7)]
-    add(node, peer("b", 2000, holds=(), version=2))  # unsubscribed before the worker accepted
-    add(node, peer("c", 3000))
-    loop.advance(1.0)
-    assert _catchups(supervisor)[-1] == ("c", 7)
-
-
-# -- registry watcher restarts ---------------------------------------------------------------------------------------
 
 
 def test_the_registry_watcher_restarts_on_the_schedule(loop: VirtualTimeLoop, tmp_path: Any) -> None:
