@@ -368,7 +368,9 @@ class Node:
             self.reconcile_stale()
             entry = self.map.get(key) or entry
         entry.leader = view.leader
-        self.router.track(database, view.name)
+        if self.router.track(database, view.name):
+            # A new direct link: the pairs set up before it stop carrying its origin.
+            self._on_route_change(database)
         payload = self._payload(view, key, database)
         pair = entry.pairs.get(database)
         if pair is None:
@@ -461,12 +463,12 @@ class Node:
     def check_recoveries(self) -> None:
         """Finish the recovery of every database whose peers have served it back: each of its pairs is caught up
         or has been down for failover_after, and at least one is caught up. A database no peer holds (a new one)
-        has nothing to wait for once the registry has been read."""
+        has nothing to wait for once the registry, itself recovered, says so."""
         if not self._registry_synced or self.store is None:
             return
         now = self.loop.time()
         patience = self.config.replication.failover_after
-        for database in sorted(self.recovering):
+        for database in sorted(self.recovering, key=lambda name: (name != SYSTEM, name)):
             pairs = [entry.pairs[database] for entry in self.map if database in entry.pairs]
             caught = [pair for pair in pairs if pair.connected and pair.caught_up]
             waiting = [
@@ -477,6 +479,11 @@ class Node:
             ]
             if pairs and (waiting or not caught):
                 continue
+            if not pairs and (
+                (database != SYSTEM and SYSTEM in self.recovering)
+                or any(database in view.holds for name, view in self.views.items() if name != self.name)
+            ):
+                continue  # a peer holds it (or the registry that would say so is itself being recovered)
             records = self.store.database(database).finish_recovery()
             self.recovering.discard(database)
             self.recoveries[database] = {"state": "recovered", "at": self.wall(), "records": records}

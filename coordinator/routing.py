@@ -86,16 +86,18 @@ class Router:
 
     # -- what the node tells -------------------------------------------------------------------------------------
 
-    def track(self, database: str, peer: str) -> None:
-        """`peer` is a direct link for `database`. A new link starts DIRECT and down: unless it connects and
-        catches up within failover_after, its origin fails over like any link that went down."""
+    def track(self, database: str, peer: str) -> bool:
+        """`peer` is a direct link for `database`; True when it is new (the other pairs now exclude it). A new
+        link starts DIRECT and down: unless it connects within failover_after, its origin fails over like any
+        link that went down."""
         links = self._links.setdefault(database, {})
         if peer in links:
-            return
+            return False
         now = self._loop.time()
         link = Link(down_since=now, changed_at=now)
         links[peer] = link
         self._arm(database, peer, link)
+        return True
 
     def forget(self, database: str, peer: str) -> None:
         """`peer` is no longer a direct link for `database` (dropped, removed, URL moved): its origin is carried
