@@ -169,7 +169,7 @@ class Node:
             raise BootError(str(exc)) from None
         _probe_port(config.listen.host, config.listen.port)
         try:
-            self.store = Store(directory, self.name)
+            self.store = Store(directory, self.name, clock_lead=config.replication.max_clock_skew)
             system = self.system()
         except Exception as exc:
             raise BootError(f"cannot open the store in {directory}: {exc}") from None

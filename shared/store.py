@@ -162,7 +162,7 @@ def _settled(conn: sqlite3.Connection, node: str) -> str | None:
     return str(epoch)
 
 
-def _initialize(conn: sqlite3.Connection, node: str) -> str:
+def _initialize(conn: sqlite3.Connection, node: str, clock_floor_us: int = 0) -> str:
     """Give the file the schema, identity and owner it lacks; returns the epoch.
 
     A file without an epoch is new (or empty): nothing in it is this node's own history, so it starts
@@ -170,6 +170,10 @@ def _initialize(conn: sqlite3.Connection, node: str) -> str:
     at 0, so peers re-send what it holds once and fill any gap. A file another node owned (copied in, or
     restored from that node's backup) is adopted: its owner's writes are complete up to its clock unless it
     was itself recovering, and ours start recovering.
+
+    A recovering file's clock starts at `clock_floor_us`, the wall clock plus max_clock_skew: every version
+    this node wrote before it lost the file was at most that far ahead, so the writes it makes now are above
+    anything a peer holds of it, and peers that count the node complete up to an old version still take them.
     """
     epoch = _settled(conn, node)
     if epoch is not None:
@@ -194,6 +198,8 @@ def _initialize(conn: sqlite3.Connection, node: str) -> str:
             recovering = int(_meta(conn, "recovering") or 0)
         conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('epoch', ?)", (secrets.token_hex(16),))
         conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('hlc', 0)")
+        if clock_floor_us and recovering and (fresh or owner != node):
+            conn.execute("UPDATE meta SET value = max(value, ?) WHERE key = 'hlc'", (clock_floor_us,))
         conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('owner', ?)", (node,))
         conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('recovering', ?)", (recovering,))
         epoch = str(_meta(conn, "epoch"))
@@ -205,7 +211,12 @@ def _initialize(conn: sqlite3.Connection, node: str) -> str:
     return epoch
 
 
-def _build_file(path: Path, node: str) -> None:
+def _clock_floor(clock: hlc.WallClock, lead: float) -> int:
+    """The clock value a recovering file starts from: the next write gets the wall clock plus `lead`."""
+    return clock() // 1000 + int(lead * 1_000_000) - 1 if lead > 0 else 0
+
+
+def _build_file(path: Path, node: str, clock_floor_us: int) -> None:
     """Make a new database file aside, in WAL mode with its schema and epoch, then link it into place.
 
     Processes that create the same database at once each build their own file and only the first link
@@ -215,7 +226,7 @@ def _build_file(path: Path, node: str) -> None:
     conn = sqlite3.connect(spare, isolation_level=None)
     try:
         conn.execute("PRAGMA journal_mode = WAL").fetchone()
-        _initialize(conn, node)
+        _initialize(conn, node, clock_floor_us)
     finally:
         # Closing the only connection checkpoints the WAL into the file and removes it.
         conn.close()
@@ -244,6 +255,7 @@ class Database:
         *,
         create: bool = False,
         synchronous: str = "NORMAL",
+        clock_lead: float = 0.0,
     ) -> None:
         self.name = name
         self.path = path
@@ -254,7 +266,7 @@ class Database:
         self._changes = 0
         self._seen_data_version = 0
         if create and not path.exists():
-            _build_file(path, node)
+            _build_file(path, node, _clock_floor(clock, clock_lead))
         try:
             self._conn = sqlite3.connect(
                 f"{path.resolve().as_uri()}?mode=rw",
@@ -276,7 +288,7 @@ class Database:
             # a power loss can lose the last commits, and then a batch and its cursor are lost together.
             self._conn.execute(f"PRAGMA synchronous = {synchronous}")
             self._conn.execute("PRAGMA temp_store = MEMORY")
-            self.epoch: str = _initialize(self._conn, node)
+            self.epoch: str = _initialize(self._conn, node, _clock_floor(clock, clock_lead))
             self._seen_data_version = self._conn.execute("PRAGMA data_version").fetchone()[0]
         except BaseException:
             self._conn.close()
@@ -502,6 +514,11 @@ class Database:
         with self._write() as conn:
             won = self._apply(conn, entries)
             conn.executemany(_RAISE_COMPLETE, marks.items())
+            # A peer holding versions of ours above our clock (a file restored from an old backup) moves the
+            # clock past them, so our next writes are above what that peer counts complete.
+            top = max(marks.values(), default=0)
+            if top > self._clock_value(conn):
+                self._set_clock(conn, top)
         return won
 
     def _apply(self, conn: sqlite3.Connection, entries: list[Entry]) -> int:
@@ -608,11 +625,14 @@ class Store:
         clock: hlc.WallClock = time.time_ns,
         *,
         synchronous: str = "NORMAL",
+        clock_lead: float = 0.0,
     ) -> None:
+        """`clock_lead`: how far ahead of the wall clock a recovering file's clock starts (max_clock_skew)."""
         self.data_dir = Path(data_dir)
         self.node = check_name(node_name, "node")
         self._clock = clock
         self._synchronous = synchronous
+        self._clock_lead = clock_lead
         self._databases: dict[str, Database] = {}
         self._lock = threading.Lock()
 
@@ -630,7 +650,15 @@ class Store:
                 raise UnknownDatabase(name)
             if create:
                 self.data_dir.mkdir(parents=True, exist_ok=True)
-            db = Database(path, name, self.node, self._clock, create=create, synchronous=self._synchronous)
+            db = Database(
+                path,
+                name,
+                self.node,
+                self._clock,
+                create=create,
+                synchronous=self._synchronous,
+                clock_lead=self._clock_lead,
+            )
             self._databases[name] = db
             return db
 

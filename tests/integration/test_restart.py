@@ -1,4 +1,4 @@
-"""Restarts: a node resumes from its durable per-origin progress, and a SIGKILL loses or duplicates nothing acknowledged."""
+"""Restarts: a node resumes from its durable per-origin progress; a SIGKILL loses or duplicates nothing acknowledged."""
 
 from __future__ import annotations
 

@@ -79,7 +79,10 @@ def raw(path: Path) -> closing[sqlite3.Connection]:
 def whole_log(db: Database) -> list[tuple[int, Entry]]:
     with raw(db.path) as conn:
         rows = conn.execute("SELECT seq, tbl, id, value, version, origin, tombstone FROM audit ORDER BY seq")
-        return [(seq, Entry(tbl, id, value, version, origin, bool(tomb))) for seq, tbl, id, value, version, origin, tomb in rows]
+        return [
+            (seq, Entry(tbl, id, value, version, origin, bool(tomb)))
+            for seq, tbl, id, value, version, origin, tomb in rows
+        ]
 
 
 def meta(db: Database, key: str) -> Any:
@@ -628,11 +631,6 @@ def test_hlc_moves_past_received_version(db: Database, clock: FakeClock) -> None
     assert db.put("t", "z2", b"") == version + 1
 
 
-def test_a_mark_does_not_move_the_clock(db: Database, clock: FakeClock) -> None:
-    db.apply_batch([], {"b": clock.us + 60_000_000})
-    assert db.put("t", "x", b"") == clock.us
-
-
 # -- digest --------------------------------------------------------------------------------------------------
 
 
@@ -790,3 +788,32 @@ def test_two_processes_write_one_database(tmp_path: Path) -> None:
         assert all(e.value == e.id[0].encode() and e.origin == "a" for e in records)
         # Every write of both processes is served from the origin index, in version order.
         assert [e.version for e in all_of(db, "a")] == sorted(e.version for e in records)
+
+
+def test_a_recovering_file_starts_its_clock_max_clock_skew_ahead(tmp_path: Path, clock: FakeClock) -> None:
+    with Store(tmp_path / "a", "a", clock=clock, clock_lead=60.0) as store:
+        new = store.database("d", create=True)
+        assert new.recovering
+        assert new.put("t", "x", b"") == clock.us + 60_000_000
+        new.finish_recovery()
+    clock.advance(1)
+    with Store(tmp_path / "a", "a", clock=clock, clock_lead=60.0) as store:
+        # Reopening an intact file keeps its clock: no second lead.
+        assert store.database("d").put("t", "y", b"") == clock.us - 1_000_000 + 60_000_000 + 1
+    with Store(tmp_path / "b", "b", clock=clock, clock_lead=60.0) as store:
+        (tmp_path / "b").mkdir(exist_ok=True)
+    for suffix in ("", "-wal", "-shm"):
+        source = tmp_path / "a" / f"d.sqlite{suffix}"
+        if source.exists():
+            (tmp_path / "b" / f"d.sqlite{suffix}").write_bytes(source.read_bytes())
+    clock.advance(100)
+    with Store(tmp_path / "b", "b", clock=clock, clock_lead=60.0) as store:
+        adopted = store.database("d")
+        assert adopted.recovering
+        assert adopted.put("t", "z", b"") == clock.us + 60_000_000
+
+
+def test_marks_move_the_clock_past_what_peers_hold(db: Database, clock: FakeClock) -> None:
+    ahead = clock.us + 30_000_000
+    db.apply_batch([], {"main-peer": ahead})
+    assert db.put("t", "x", b"") == ahead + 1
