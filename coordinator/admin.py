@@ -181,8 +181,8 @@ def status_document(node: AdminView) -> dict[str, Any]:
                     "lag_seconds": pair.lag_seconds,
                     "last_error": pair.last_error or None,
                     "applied": pair.applied,
-                    "copies": pair.copies,
-                    "copying": pair.copying,
+                    "caught_up": pair.caught_up,
+                    "exclude": list(pair.payload.exclude),
                     "connected_for_s": round(now - pair.connected_at, 3)
                     if pair.connected and pair.connected_at is not None
                     else None,
@@ -197,4 +197,8 @@ def status_document(node: AdminView) -> dict[str, Any]:
         "setup_pending": node.scheduler.pending,
         "workers": workers,
         "connections": connections,
+        # Per database, the direct peers whose origins every connected peer carries (their link is down).
+        "failed_over": node.router.failed_over(),
+        "recovery": {name: dict(state) for name, state in sorted(node.recoveries.items())},
+        "clock_offsets": {peer: offset for peer, offset in sorted(node.peer_clock.items())},
     }

@@ -23,7 +23,14 @@ from shared.messages import CounterDelta
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 # The warnings most worth graphing when they are sampled; their suppressed counters start at 0 so a rate exists.
-SAMPLED_EVENTS = ("send_auth_refused", "session_rejected", "stall_kick", "wedge_redrive", "registry_watcher_failed")
+SAMPLED_EVENTS = (
+    "send_auth_refused",
+    "session_rejected",
+    "stall_kick",
+    "wedge_redrive",
+    "registry_watcher_failed",
+    "clock_skew_refused",
+)
 
 # `_created` series would double the series count for no use here.
 disable_created_metrics()
@@ -57,6 +64,12 @@ class Metrics:
                 "replicator_records_written_total",
                 "Records written locally through the data API",
                 ["database"],
+                registry=registry,
+            ),
+            "replicator_clock_skew_refusals_total": Counter(
+                "replicator_clock_skew_refusals_total",
+                "Sessions refused because the peer's clock or versions ran ahead by more than max_clock_skew",
+                ["peer"],
                 registry=registry,
             ),
             "replicator_log_events_suppressed_total": Counter(
@@ -146,6 +159,27 @@ class _StateCollector(Collector):
                 lag.add_metric([database, entry.peer], pair.lag_seconds)
         yield connected
         yield lag
+        offset = GaugeMetricFamily(
+            "replicator_peer_clock_offset_seconds",
+            "The peer's wall clock minus ours, measured at the last session handshake",
+            labels=["peer"],
+        )
+        for peer, seconds in sorted(node.peer_clock.items()):
+            offset.add_metric([peer], seconds)
+        yield offset
+        routed = GaugeMetricFamily(
+            "replicator_origins_failed_over",
+            "Direct peers whose writes other peers carry because their own link has been down",
+            labels=["database"],
+        )
+        for database, origins in sorted(node.router.failed_over().items()):
+            routed.add_metric([database], len(origins))
+        yield routed
+        recovering = GaugeMetricFamily(
+            "replicator_databases_recovering", "Databases waiting for peers to serve this node's own writes back"
+        )
+        recovering.add_metric([], len(node.recovering))
+        yield recovering
 
 
 def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:

@@ -27,6 +27,7 @@ from coordinator.admin import AdminServer
 from coordinator.metrics import Metrics
 from coordinator.registry import SYSTEM, NodeView
 from coordinator.replication_map import Entry, PairState, ReplicationMap, StallWatch, should_fire_stall_kick
+from coordinator.routing import Router
 from coordinator.sd_notify import Notifier
 from coordinator.setup_scheduler import SetupScheduler
 from coordinator.supervisor import Supervisor, WorkerHandle
@@ -86,9 +87,13 @@ class Node:
         self.ladder = self.scheduler.sweep()
         self.views: dict[str, NodeView] = {}
         self.holds: set[str] = set()
-        # Self-catchup riders: database -> own last version, until a worker has accepted the request.
-        self.catchup: dict[str, int] = {}
-        self._catchup_inflight: dict[str, tuple[str, int, int]] = {}
+        self.router = Router(config.replication.failover_after, self._on_route_change, loop=self.loop)
+        # Databases whose file may lack this node's own writes (new, empty, lost, adopted), until the peers
+        # have served them back; and what each recovery brought.
+        self.recovering: set[str] = set()
+        self.recoveries: dict[str, dict[str, Any]] = {}
+        self.peer_clock: dict[str, float] = {}  # peer -> its wall clock minus ours, from the last handshake
+        self._registry_synced = False
         self._dispatches = 0
         self._placements = 0
         self.reassignments = 0
@@ -168,13 +173,13 @@ class Node:
             raise BootError(str(exc)) from None
         _probe_port(config.listen.host, config.listen.port)
         try:
-            self.store = Store(directory, self.name)
+            self.store = Store(directory, self.name, clock_lead=config.replication.max_clock_skew)
             system = self.system()
         except Exception as exc:
             raise BootError(f"cannot open the store in {directory}: {exc}") from None
         self.holds = set(self.store.names()) | {SYSTEM}
         for database in sorted(self.holds):
-            self.catchup[database] = self.store.database(database).last_own_version()
+            self._note_database(database)
         self._write_own_row(system)
         self._admin = AdminServer(self)
         try:
@@ -231,6 +236,7 @@ class Node:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for entry in self.map:
             entry.disarm()
+        self.router.close()
         await self.supervisor.stop(max(1.0, deadline - 1.0))
         if self._admin is not None:
             await self._admin.close()
@@ -311,6 +317,8 @@ class Node:
         for name in sorted(views):
             if name != self.name:
                 self.on_node_update(views[name], event=name in changed)
+        self._registry_synced = True
+        self.check_recoveries()
 
     def _direct_peers(self, database: str) -> list[str]:
         return sorted(
@@ -344,7 +352,7 @@ class Node:
             self._drop_entry(entry, "node removed")
 
     def _payload(self, view: NodeView, key: str, database: str) -> messages.Subscribe:
-        exclude = sorted({self.name, *(p for p in self._direct_peers(database) if p != view.name)})
+        exclude = self.router.exclude(database, view.name)
         # Leadership comes from the latest node state on every update, never from a cached flag.
         return messages.Subscribe(
             key=key, peer=view.name, url=view.url, database=database, exclude=exclude, leader=view.leader
@@ -362,6 +370,9 @@ class Node:
             self.reconcile_stale()
             entry = self.map.get(key) or entry
         entry.leader = view.leader
+        if self.router.track(database, view.name):
+            # A new direct link: the pairs set up before it stop carrying its origin.
+            self._on_route_change(database)
         payload = self._payload(view, key, database)
         pair = entry.pairs.get(database)
         if pair is None:
@@ -413,7 +424,6 @@ class Node:
         pair = entry.pairs.pop(database, None)
         entry.disarm()
         self.scheduler.cancel(entry.url, database)
-        self._drop_catchup_inflight(entry.key, database)
         if pair is None:
             return
         for worker in {entry.worker, pair.worker}:
@@ -421,6 +431,69 @@ class Node:
                 self.supervisor.send(worker, messages.Unsubscribe(key=entry.key, database=database))
         if not entry.pairs:
             self.map.remove(entry.key)
+        # After the pair is gone, so the re-routed payloads of the other pairs no longer exclude its origin.
+        self.router.forget(database, entry.peer)
+
+    def _on_route_change(self, database: str) -> None:
+        """An origin of `database` moved between its direct link and the other pairs: every pair of the database
+        whose exclusions changed is set up again, on the ladder (stagger spacing)."""
+        if self._closing:
+            return
+        for entry in list(self.map):
+            pair = entry.pairs.get(database)
+            view = self.views.get(entry.peer)
+            if pair is None or view is None:
+                continue
+            payload = self._payload(view, entry.key, database)
+            if _setup_fields(payload) == _setup_fields(pair.payload):
+                continue
+            pair.payload = payload
+            log.info("route_changed", peer=entry.peer, database=database, exclude=payload.exclude)
+            if not self.scheduler.schedule(entry.url, database, payload, sweep=self.ladder):
+                self.scheduler.refresh_pending(entry.url, database, payload)
+
+    # -- recovery of a lost database ---------------------------------------------------------------------------
+
+    def _note_database(self, database: str) -> None:
+        assert self.store is not None
+        if self.store.database(database).recovering:
+            self.recovering.add(database)
+            self.recoveries[database] = {"state": "recovering", "since": self.wall(), "records": 0}
+
+    def check_recoveries(self) -> None:
+        """Finish the recovery of every database whose peers have served it back: each of its pairs is caught up
+        or has been down for failover_after, and at least one is caught up. A database no peer holds (a new one)
+        has nothing to wait for once the registry, itself recovered, says so."""
+        if not self._registry_synced or self.store is None:
+            return
+        now = self.loop.time()
+        patience = self.config.replication.failover_after
+        for database in sorted(self.recovering, key=lambda name: (name != SYSTEM, name)):
+            pairs = [entry.pairs[database] for entry in self.map if database in entry.pairs]
+            caught = [pair for pair in pairs if pair.connected and pair.caught_up]
+            waiting = [
+                pair
+                for pair in pairs
+                if not (pair.connected and pair.caught_up)
+                and (pair.connected or now - (pair.disconnected_at or pair.created_at) < patience)
+            ]
+            if pairs and (waiting or not caught):
+                continue
+            if not pairs and (
+                (database != SYSTEM and SYSTEM in self.recovering)
+                or any(database in view.holds for name, view in self.views.items() if name != self.name)
+            ):
+                continue  # a peer holds it (or the registry that would say so is itself being recovered)
+            records = self.store.database(database).finish_recovery()
+            self.recovering.discard(database)
+            self.recoveries[database] = {"state": "recovered", "at": self.wall(), "records": records}
+            if caught:
+                log.info(
+                    "database_recovered",
+                    database=database,
+                    records=records,
+                    peers=sorted(entry.peer for entry in self.map if database in entry.pairs),
+                )
 
     def _drop_entry(self, entry: Entry, reason: str) -> None:
         log.info("peer_dropped", peer=entry.peer, url=entry.url, reason=reason)
@@ -450,19 +523,12 @@ class Node:
                 log.warning("subscription_setup_no_worker", peer=entry.peer, database=database)
                 return
         self._dispatches += 1
-        rider = self.catchup.get(database) if database not in self._catchup_inflight else None
-        message = msgspec.structs.replace(pair.payload, dispatch=self._dispatches, catchup_after=rider)
+        pair.dispatched_at = self.loop.time()
+        message = msgspec.structs.replace(pair.payload, dispatch=self._dispatches)
         if not self.supervisor.send(entry.worker, message):
             log.warning("subscription_setup_undelivered", peer=entry.peer, database=database, worker=entry.worker)
             return
-        if rider is not None:
-            self._catchup_inflight[database] = (key, self._dispatches, entry.worker)
         log.info("subscription_setup_dispatched", peer=entry.peer, database=database, worker=entry.worker)
-
-    def _drop_catchup_inflight(self, key: str, database: str) -> None:
-        inflight = self._catchup_inflight.get(database)
-        if inflight is not None and inflight[0] == key:
-            del self._catchup_inflight[database]
 
     # -- worker reports -------------------------------------------------------------------------------------------
 
@@ -480,24 +546,24 @@ class Node:
                     self._ready.set()
                 if self._ready.is_set():
                     self.reconcile_stale()
-            case messages.SubscribeAccepted(key=key, database=database, dispatch=dispatch, catchup=catchup):
+            case messages.SubscribeAccepted(key=key, database=database):
                 pair = self.map.pair(key, database)
                 if pair is not None:
                     pair.accepted_by = slot
-                inflight = self._catchup_inflight.get(database)
-                if catchup and inflight is not None and inflight[:2] == (key, dispatch):
-                    del self._catchup_inflight[database]
-                    self.catchup.pop(database, None)
             case messages.Connected(key=key, database=database, worker=worker, session=session):
                 self._on_connected(slot, key, database, worker, session, message.peer_head_seq, now)
             case messages.Disconnected():
                 self._on_disconnected(message, now)
             case messages.Progress():
                 self._on_progress(message, now)
+            case messages.PeerClock(peer=peer, offset_seconds=offset):
+                self.peer_clock[peer] = offset
             case messages.DatabaseOpened(name=name):
                 if name not in self.holds:
                     self.holds.add(name)
+                    self._note_database(name)
                     self._write_own_row(self.system())
+                    self.check_recoveries()
 
     def _on_connected(
         self, slot: int, key: str, database: str, worker: int, session: int, head: int, now: float
@@ -516,6 +582,8 @@ class Node:
         pair.peer_head_seq = head
         pair.reconnect_attempts = 0
         pair.last_error = ""
+        pair.caught_up = False
+        self.router.report(database, entry.peer, up=True)
         # Reset the pair's setup delay, cancel nothing: the report cannot be attributed to the armed work.
         self.scheduler.note_connected(entry.url, database)
 
@@ -535,7 +603,11 @@ class Node:
             if pair.connected or pair.disconnected_at is None:
                 pair.disconnected_at = now
             pair.connected = False
+            pair.caught_up = False
             pair.worker = message.worker
+            entry = self.map.get(message.key)
+            if entry is not None:
+                self.router.report(message.database, entry.peer, up=False)
 
     def _on_progress(self, message: messages.Progress, now: float) -> None:
         pair = self.map.pair(message.key, message.database)
@@ -557,13 +629,14 @@ class Node:
         pair.peer_head_seq = message.peer_head_seq
         pair.lag_seconds = message.lag_seconds
         pair.applied = message.applied
-        pair.copies = message.copies
-        pair.copying = message.copying
+        pair.caught_up = message.caught_up
+        entry = self.map.get(message.key)
+        if entry is not None and pair.connected:
+            self.router.report(message.database, entry.peer, up=True, caught_up=message.caught_up)
+        if message.caught_up and message.database in self.recovering:
+            self.check_recoveries()
 
     def on_worker_exit(self, handle: WorkerHandle) -> None:
-        for database, inflight in list(self._catchup_inflight.items()):
-            if inflight[2] == handle.slot:
-                del self._catchup_inflight[database]
         for entry in self.map:
             if entry.worker == handle.slot:
                 # The sessions died with the process; a respawn in the same slot starts empty, so the entry is
@@ -575,8 +648,10 @@ class Node:
                     pair.accepted_by = None
                 if pair.worker == handle.slot:
                     pair.connected = False
+                    pair.caught_up = False
                     if pair.disconnected_at is None or pair.connected_at is not None:
                         pair.disconnected_at = self.loop.time()
+                    self.router.report(pair.database, entry.peer, up=False)
         if not self._closing:
             self.reconcile_stale()
 
@@ -613,6 +688,7 @@ class Node:
         self.reconcile_stale()
         self._redrive_wedged(now)
         self._kick_stalled(now)
+        self.check_recoveries()
         log.flush()
 
     def reconcile_stale(self) -> None:
@@ -638,7 +714,7 @@ class Node:
         for entry in self.map:
             if entry.redrive is not None or not self.supervisor.is_live(entry.worker):
                 continue
-            if any(self._is_wedged(pair, now, threshold) for pair in entry.pairs.values()):
+            if self._wedged_pairs(entry, now, threshold):
                 wedged.append(entry)
         if not wedged:
             return
@@ -647,12 +723,19 @@ class Node:
         for entry in wedged:
             entry.arm(self.scheduler.call_at_slot(self.ladder, base, self._fire_wedge, entry), "wedge")
 
-    @staticmethod
-    def _is_wedged(pair: PairState, now: float, threshold: float) -> bool:
-        if pair.connected:
-            return False
-        since = pair.disconnected_at if pair.disconnected_at is not None else pair.created_at
-        return now - since >= threshold
+    def _wedged_pairs(self, entry: Entry, now: float, threshold: float) -> list[tuple[str, PairState]]:
+        """The entry's pairs down for the threshold. A pair whose setup is still armed is the schedule's, not
+        wedged; a pair never connected counts from its latest dispatch, not from when it was wanted."""
+        wedged = []
+        for database, pair in entry.pairs.items():
+            if pair.connected or self.scheduler.is_armed(entry.url, database):
+                continue
+            since = pair.disconnected_at
+            if since is None:
+                since = max(pair.created_at, pair.dispatched_at or 0.0)
+            if now - since >= threshold:
+                wedged.append((database, pair))
+        return wedged
 
     def _fire_wedge(self, entry: Entry) -> None:
         entry.redrive = None
@@ -661,7 +744,7 @@ class Node:
             return
         now = self.loop.time()
         threshold = self.config.replication.wedge_threshold
-        wedged = [(database, pair) for database, pair in entry.pairs.items() if self._is_wedged(pair, now, threshold)]
+        wedged = self._wedged_pairs(entry, now, threshold)
         if not wedged:
             return
         # One database per slot: re-driving all of an entry's databases at once would be a burst of handshakes.
@@ -698,12 +781,8 @@ class Node:
         if not candidates:
             return
         base = self._redrive_base()
-        stagger = self.config.replication.stagger
-        for index, (entry, database, watch) in enumerate(candidates):
-            entry.arm(
-                self.loop.call_later(base + index * stagger, self._fire_stall, entry, database, watch),
-                "stall",
-            )
+        for entry, database, watch in candidates:
+            entry.arm(self.scheduler.call_at_slot(self.ladder, base, self._fire_stall, entry, database, watch), "stall")
 
     def _fire_stall(self, entry: Entry, database: str, watch: StallWatch) -> None:
         entry.redrive = None
@@ -734,17 +813,13 @@ class Node:
                 log.warning("audit_prune_failed", error=repr(exc))
 
     def prune_audit(self) -> int:
-        """Drop audit entries every subscriber confirmed, and those past the retention window.
-
-        The subscribers are the peers that ever acknowledged this database and the peers this node dials for it
-        (they dial back); a registered node that never subscribes holds nothing back beyond the window.
-        """
+        """Drop the audit entries past the retention window. The log is history: replication streams serve the
+        records table by origin, so no holder, lagging or copying, depends on what the log keeps."""
         assert self.store is not None
         deleted = 0
         for name in self.store.names():
             database = self.store.database(name)
-            peers = sorted(set(database.acks()) | set(self._direct_peers(name)))
-            deleted += database.prune_audit(peers, self.config.replication.audit_retention, self.wall())
+            deleted += database.prune_audit(self.config.replication.audit_retention, self.wall())
         if deleted:
             log.info("audit_pruned", entries=deleted)
         return deleted
@@ -770,6 +845,7 @@ class Node:
         self._file_workers = file_workers
         self.config = new
         self.scheduler.stagger = new.replication.stagger
+        self.router.failover_after = new.replication.failover_after
         for handle in self.supervisor.workers.values():
             self.supervisor.send(handle.slot, messages.Reconfigure(config=config_module.encode(new)))
         log.info("config_reloaded", peers=len(new.peers), workers=new.worker_count)

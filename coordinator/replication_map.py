@@ -35,6 +35,7 @@ class PairState:
     worker: int | None = None  # the worker whose session last reported
     session: int | None = None
     accepted_by: int | None = None  # the worker that accepted the latest dispatched subscribe
+    dispatched_at: float | None = None  # when the latest subscribe went to a worker
     connected_at: float | None = None
     disconnected_at: float | None = None
     last_progress_at: float | None = None
@@ -42,8 +43,7 @@ class PairState:
     peer_head_seq: int = 0
     lag_seconds: float = 0.0
     applied: int = 0
-    copies: int = 0
-    copying: bool = False
+    caught_up: bool = False  # the peer's last batch said it had nothing more to serve
     reconnect_attempts: int = 0
     last_error: str = ""
     stall: StallWatch | None = None

@@ -7,6 +7,7 @@ exit code 2.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import tomllib
@@ -16,7 +17,7 @@ from typing import Any, Literal
 
 import msgspec
 
-NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
 DATABASE_PATTERN_RE = re.compile(r"^(\*|[A-Za-z0-9_-]{1,64})$")
 ENV_PREFIX = "REPLICATOR_"
 
@@ -67,6 +68,10 @@ class ReplicationSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     # Sender flow control: batches sent and not yet acknowledged.
     window: int = 8
     audit_retention: float = 7 * 24 * 3600.0
+    # A direct link down this long hands its origin to the other connected peers, until it is back and caught up.
+    failover_after: float = 10.0
+    # Versions further ahead of this node's wall clock are refused, and so is a peer whose clock is.
+    max_clock_skew: float = 60.0
     # Peer host names pinned to addresses, checked before DNS; resolve = "hosts" consults nothing else.
     hosts: dict[str, str] = msgspec.field(default_factory=dict)
     resolve: Literal["system", "hosts"] = "system"
@@ -223,9 +228,18 @@ def _check(config: Config, source: str) -> None:
     if config.listen.port == config.listen.admin_port and config.listen.host == config.listen.admin_host:
         fail("listen.admin_port", "must differ from listen.port")
     rep = config.replication
-    for key in ("stagger", "reconcile_interval", "wedge_threshold", "stall_threshold", "heartbeat_timeout"):
-        if getattr(rep, key) < 0 or (key != "stagger" and getattr(rep, key) == 0):
-            fail(f"replication.{key}", f"must be positive, got {getattr(rep, key)}")
+    for key in (
+        "stagger",
+        "reconcile_interval",
+        "wedge_threshold",
+        "stall_threshold",
+        "heartbeat_timeout",
+        "failover_after",
+        "max_clock_skew",
+    ):
+        value = getattr(rep, key)
+        if not math.isfinite(value) or value < 0 or (key != "stagger" and value == 0):
+            fail(f"replication.{key}", f"must be a positive number of seconds, got {value}")
     if rep.shutdown_timeout <= 0:
         fail("replication.shutdown_timeout", f"must be positive, got {rep.shutdown_timeout}")
     if rep.batch_size < 1 or rep.window < 1:

@@ -21,9 +21,21 @@ WallClock = Callable[[], int]
 MAX_VERSION = 2**63 - 1
 
 
-def tick(last: int, clock: WallClock) -> int:
-    """The version of a new local write, given the database's last clock value."""
-    return max(clock() // 1000, last + 1)
+class ClockExhausted(OverflowError):
+    """The clock cannot count on: the next version would not fit in 64 bits."""
+
+
+def tick(last: int, clock: WallClock, count: int = 1) -> int:
+    """The first of `count` versions for new local writes, given the database's last clock value.
+
+    Checked: versions that would not fit in 64 bits raise ClockExhausted instead of being stored. Peers'
+    versions are bounded near the wall clock on receipt (`replication.max_clock_skew`), so only a file
+    damaged by hand can bring the clock here.
+    """
+    first = max(clock() // 1000, last + 1)
+    if first + count - 1 > MAX_VERSION:
+        raise ClockExhausted(f"the clock is at {last}; {count} more versions would pass {MAX_VERSION}")
+    return first
 
 
 def receive(last: int, remote: int) -> int:

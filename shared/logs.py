@@ -94,17 +94,20 @@ class EventLog:
     def info(self, event: str, **fields: Any) -> None:
         self.emit("info", event, fields)
 
-    def warning(self, event: str, **fields: Any) -> None:
-        self.emit("warning", event, fields)
+    def warning(self, event: str, *, sample_by: tuple[str, ...] | None = None, **fields: Any) -> None:
+        """`sample_by` names the fields that make two warnings the same for sampling (default: all), for
+        events with a measurement that differs on every line (a skew, a delay)."""
+        self.emit("warning", event, fields, sample_by)
 
     def error(self, event: str, **fields: Any) -> None:
         self.emit("error", event, fields)
 
-    def emit(self, level: str, event: str, fields: dict[str, Any]) -> None:
+    def emit(self, level: str, event: str, fields: dict[str, Any], sample_by: tuple[str, ...] | None = None) -> None:
         if LEVELS[level] < self.threshold:
             return
         if LEVELS[level] >= LEVELS["warning"]:
-            suppressed = self._sample(level, event, fields)
+            same = fields if sample_by is None else {name: fields.get(name) for name in sample_by}
+            suppressed = self._sample(level, event, same)
             if suppressed is None:
                 return
             if suppressed:

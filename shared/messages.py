@@ -37,10 +37,8 @@ class Subscribe(msgspec.Struct, tag="subscribe", kw_only=True):
     peer: str  # the peer's node name
     url: str  # the URL to dial
     database: str
-    exclude: list[str] = []  # origins the sender should skip
+    exclude: list[str] = []  # origins this pair does not carry: they come over other links (routing)
     leader: bool = False
-    # Self-catchup rider: ask this peer once for records this node originated after version `catchup_after`.
-    catchup_after: int | None = None
     dispatch: int = 0  # the coordinator's dispatch number, echoed in SubscribeAccepted
 
 
@@ -97,7 +95,6 @@ class SubscribeAccepted(msgspec.Struct, tag="subscribe_accepted", kw_only=True):
     key: str
     database: str
     dispatch: int
-    catchup: bool  # the self-catchup rider was taken over by the worker
 
 
 class Connected(msgspec.Struct, tag="connected", kw_only=True):
@@ -127,8 +124,12 @@ class Progress(msgspec.Struct, tag="progress", kw_only=True):
     peer_head_seq: int
     lag_seconds: float
     applied: int  # records applied over the session's life
-    copies: int  # bulk copies this node has taken from that peer for that database, ever
-    copying: bool = False
+    caught_up: bool = False  # the peer said it had nothing more to serve, as of its last batch
+
+
+class PeerClock(msgspec.Struct, tag="peer_clock", kw_only=True):
+    peer: str
+    offset_seconds: float  # the peer's wall clock minus ours, measured at a handshake
 
 
 class DatabaseOpened(msgspec.Struct, tag="database_opened", kw_only=True):
@@ -136,7 +137,15 @@ class DatabaseOpened(msgspec.Struct, tag="database_opened", kw_only=True):
 
 
 ToCoordinator = (
-    Ready | BootFailed | Heartbeat | SubscribeAccepted | Connected | Disconnected | Progress | DatabaseOpened
+    Ready
+    | BootFailed
+    | Heartbeat
+    | SubscribeAccepted
+    | Connected
+    | Disconnected
+    | Progress
+    | PeerClock
+    | DatabaseOpened
 )
 
 _encoder = msgspec.msgpack.Encoder()

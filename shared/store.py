@@ -8,14 +8,22 @@ decides on (the clock, the version a record holds) and never has to retry a tran
 Tables of each database file:
 
     records  (tbl, id) -> value, version, origin, tombstone    current state, tombstones included
-    audit    seq -> tbl, id, value, version, origin, tombstone  every commit, local or applied
-    cursors  peer -> seq, version, epoch, copy state, copies    our durable position in a peer's log
-    acks     peer -> seq, at                                    what each subscriber of ours confirmed
-    meta     epoch, hlc                                         the file's identity, the clock's last value
+    audit    seq -> tbl, id, value, version, origin, tombstone  every commit, local or applied (history)
+    origins  origin -> complete, top                            what this file holds of each origin
+    meta     epoch, hlc, owner, recovering                      identity, the clock, whose file it is
 
 Conflicts resolve last-writer-wins on (version, origin). A record that does not win (an older version, or
 the very version held: an identity tie) is skipped and leaves no audit entry. An applied record keeps its
-origin in the log, so records relay across hops, and the skip is what stops them circling a mesh forever.
+origin, so records relay across hops, and the skip is what stops them circling a mesh forever.
+
+Replication is by origin. `origins.complete` is a promise: this file holds every record version the origin
+wrote up to that version, or a newer version of the same record. It only ever rises, and only in the
+transaction that applies what justifies it (a sender's mark, see `apply_batch`). A sender serves an origin
+from the records table in version order (index `records_by_origin`), so what it serves never depends on how
+much of the audit log is kept: pruning the log cannot make anyone skip a write. The owner's own origin is
+complete up to the clock, except in a file that is `recovering`: one this node did not build from its own
+writes (a new, empty or lost file, or another node's file); there the own origin counts only what peers have
+confirmed, until the coordinator sees the peers have served it (`finish_recovery`).
 """
 
 from __future__ import annotations
@@ -44,10 +52,6 @@ BUSY_TIMEOUT = 10.0
 # IN-list lengths of the batched lookup: a chunk is padded up to the next size, so the statement cache
 # holds four statements instead of one per batch length.
 _IN_SIZES = (1, 8, 64, 512)
-# With exclusions, one audit_after call examines at most this many sequence numbers per entry asked for (and
-# at least _MIN_SCAN_WINDOW): a long run of excluded entries costs several calls, not one scan of the log.
-_SCAN_FACTOR = 8
-_MIN_SCAN_WINDOW = 4096
 # Pruning deletes in chunks, each its own transaction, so a first prune of a long log does not hold the write
 # lock for longer than the other processes' busy timeout.
 _PRUNE_CHUNK = 20_000
@@ -58,19 +62,17 @@ _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS records (
         tbl TEXT NOT NULL, id TEXT NOT NULL, value BLOB NOT NULL, version INTEGER NOT NULL,
         origin TEXT NOT NULL, tombstone INTEGER NOT NULL, PRIMARY KEY (tbl, id))""",
-    # Self-catchup asks for the records one origin wrote above a version.
+    # A sender serves one origin's records after a version, in version order.
     "CREATE INDEX IF NOT EXISTS records_by_origin ON records (origin, version)",
     """CREATE TABLE IF NOT EXISTS audit (
         seq INTEGER PRIMARY KEY AUTOINCREMENT, tbl TEXT NOT NULL, id TEXT NOT NULL,
         value BLOB NOT NULL, version INTEGER NOT NULL, origin TEXT NOT NULL,
         tombstone INTEGER NOT NULL, committed_at REAL NOT NULL)""",
-    # last_own_version() is a max() over one origin's entries.
     "CREATE INDEX IF NOT EXISTS audit_by_origin ON audit (origin, version)",
-    """CREATE TABLE IF NOT EXISTS cursors (
-        peer TEXT PRIMARY KEY, seq INTEGER, version INTEGER NOT NULL DEFAULT 0,
-        epoch TEXT NOT NULL DEFAULT '', copy_snapshot INTEGER, copy_table TEXT, copy_after TEXT,
-        copies INTEGER NOT NULL DEFAULT 0)""",
-    "CREATE TABLE IF NOT EXISTS acks (peer TEXT PRIMARY KEY, seq INTEGER NOT NULL, at REAL NOT NULL)",
+    # complete: every version of the origin up to it is held (or superseded); top: the highest version held.
+    """CREATE TABLE IF NOT EXISTS origins (
+        origin TEXT PRIMARY KEY, complete INTEGER NOT NULL DEFAULT 0, top INTEGER NOT NULL DEFAULT 0)
+        WITHOUT ROWID""",
     "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value) WITHOUT ROWID",
 )
 
@@ -85,10 +87,12 @@ _LOOKUP = {
     size: f"SELECT id, version, origin FROM records WHERE tbl = ? AND id IN ({', '.join('?' * size)})"
     for size in _IN_SIZES
 }
-_SET_CURSOR = (
-    "INSERT INTO cursors (peer, seq, version, epoch) VALUES (?, ?, ?, ?) ON CONFLICT (peer) DO UPDATE "
-    "SET seq = excluded.seq, version = excluded.version, epoch = excluded.epoch, "
-    "copy_snapshot = NULL, copy_table = NULL, copy_after = NULL"
+_RAISE_TOP = (
+    "INSERT INTO origins (origin, top) VALUES (?, ?) ON CONFLICT (origin) DO UPDATE SET top = max(top, excluded.top)"
+)
+_RAISE_COMPLETE = (
+    "INSERT INTO origins (origin, complete) VALUES (?, ?) ON CONFLICT (origin) DO UPDATE "
+    "SET complete = max(complete, excluded.complete)"
 )
 
 
@@ -114,16 +118,11 @@ def check_name(name: str, kind: str = "name") -> str:
     return name
 
 
-class Cursor(msgspec.Struct, frozen=True, kw_only=True):
-    """This node's durable position in one peer's audit log for one database, with its bulk-copy state."""
+class Origin(msgspec.Struct, frozen=True):
+    """What a file holds of one origin: every version up to `complete`, and nothing above `top`."""
 
-    seq: int | None  # None: no live position, so the next subscription asks for a bulk copy
-    version: int = 0  # the version of the entry at `seq` as received, so the peer can tell a replaced log
-    epoch: str = ""  # the epoch of the peer's database file the position belongs to
-    copy_snapshot: int | None = None  # set while a bulk copy up to this sender sequence is in progress
-    copy_table: str | None = None
-    copy_after: str | None = None  # the last id of copy_table applied
-    copies: int = 0  # bulk copies taken from this peer, ever
+    complete: int = 0
+    top: int = 0
 
 
 def _entry(row: tuple) -> Entry:
@@ -148,28 +147,76 @@ def _check_entries(entries: Iterable[Entry]) -> None:
         check_name(origin, "origin")
 
 
-def _initialize(conn: sqlite3.Connection) -> str:
-    """Create the schema and the epoch unless the file has them; returns the epoch."""
-    if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'").fetchone():
-        row = conn.execute("SELECT value FROM meta WHERE key = 'epoch'").fetchone()
-        if row is not None:
-            return str(row[0])
+def _meta(conn: sqlite3.Connection, key: str) -> object:
+    row = conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+    return row[0] if row is not None else None
+
+
+def _settled(conn: sqlite3.Connection, node: str) -> str | None:
+    """The epoch of a file that already has this version's schema and belongs to `node`, else None."""
+    if not conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'origins'").fetchone():
+        return None
+    epoch = _meta(conn, "epoch")
+    if epoch is None or _meta(conn, "owner") != node:
+        return None
+    return str(epoch)
+
+
+def _initialize(conn: sqlite3.Connection, node: str, clock_floor_us: int = 0) -> str:
+    """Give the file the schema, identity and owner it lacks; returns the epoch.
+
+    A file without an epoch is new (or empty): nothing in it is this node's own history, so it starts
+    `recovering`. A file of an earlier version (an epoch but no owner) is taken as intact; its origins start
+    at 0, so peers re-send what it holds once and fill any gap. A file another node owned (copied in, or
+    restored from that node's backup) is adopted: its owner's writes are complete up to its clock unless it
+    was itself recovering, and ours start recovering.
+
+    A recovering file's clock starts at `clock_floor_us`, the wall clock plus max_clock_skew: every version
+    this node wrote before it lost the file was at most that far ahead, so the writes it makes now are above
+    anything a peer holds of it, and peers that count the node complete up to an old version still take them.
+    """
+    epoch = _settled(conn, node)
+    if epoch is not None:
+        return epoch
     conn.execute("BEGIN IMMEDIATE")
     try:
+        fresh = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'").fetchone() is None
+        fresh = fresh or _meta(conn, "epoch") is None
         for statement in _SCHEMA:
             conn.execute(statement)
+        owner = _meta(conn, "owner")
+        if owner is None:
+            conn.execute(
+                "INSERT OR IGNORE INTO origins (origin, top) SELECT origin, max(version) FROM records GROUP BY origin"
+            )
+            recovering = 1 if fresh else 0
+        elif owner != node:
+            if not _meta(conn, "recovering"):
+                conn.execute(_RAISE_COMPLETE, (owner, int(_meta(conn, "hlc") or 0)))
+            recovering = 1
+        else:
+            recovering = int(_meta(conn, "recovering") or 0)
         conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('epoch', ?)", (secrets.token_hex(16),))
         conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('hlc', 0)")
-        epoch = conn.execute("SELECT value FROM meta WHERE key = 'epoch'").fetchone()[0]
+        if clock_floor_us and recovering and (fresh or owner != node):
+            conn.execute("UPDATE meta SET value = max(value, ?) WHERE key = 'hlc'", (clock_floor_us,))
+        conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('owner', ?)", (node,))
+        conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('recovering', ?)", (recovering,))
+        epoch = str(_meta(conn, "epoch"))
         conn.execute("COMMIT")
     except BaseException:
         if conn.in_transaction:
             conn.execute("ROLLBACK")
         raise
-    return str(epoch)
+    return epoch
 
 
-def _build_file(path: Path) -> None:
+def _clock_floor(clock: hlc.WallClock, lead: float) -> int:
+    """The clock value a recovering file starts from: the next write gets the wall clock plus `lead`."""
+    return clock() // 1000 + int(lead * 1_000_000) - 1 if lead > 0 else 0
+
+
+def _build_file(path: Path, node: str, clock_floor_us: int) -> None:
     """Make a new database file aside, in WAL mode with its schema and epoch, then link it into place.
 
     Processes that create the same database at once each build their own file and only the first link
@@ -179,7 +226,7 @@ def _build_file(path: Path) -> None:
     conn = sqlite3.connect(spare, isolation_level=None)
     try:
         conn.execute("PRAGMA journal_mode = WAL").fetchone()
-        _initialize(conn)
+        _initialize(conn, node, clock_floor_us)
     finally:
         # Closing the only connection checkpoints the WAL into the file and removes it.
         conn.close()
@@ -208,6 +255,7 @@ class Database:
         *,
         create: bool = False,
         synchronous: str = "NORMAL",
+        clock_lead: float = 0.0,
     ) -> None:
         self.name = name
         self.path = path
@@ -218,7 +266,7 @@ class Database:
         self._changes = 0
         self._seen_data_version = 0
         if create and not path.exists():
-            _build_file(path)
+            _build_file(path, node, _clock_floor(clock, clock_lead))
         try:
             self._conn = sqlite3.connect(
                 f"{path.resolve().as_uri()}?mode=rw",
@@ -240,7 +288,7 @@ class Database:
             # a power loss can lose the last commits, and then a batch and its cursor are lost together.
             self._conn.execute(f"PRAGMA synchronous = {synchronous}")
             self._conn.execute("PRAGMA temp_store = MEMORY")
-            self.epoch: str = _initialize(self._conn)
+            self.epoch: str = _initialize(self._conn, node, _clock_floor(clock, clock_lead))
             self._seen_data_version = self._conn.execute("PRAGMA data_version").fetchone()[0]
         except BaseException:
             self._conn.close()
@@ -313,7 +361,7 @@ class Database:
         with self._write() as conn:
             # The clock is past every version the file holds (applying moves it), so a local write always
             # wins and needs no lookup.
-            first = hlc.tick(self._clock_value(conn), self._clock)
+            first = hlc.tick(self._clock_value(conn), self._clock, len(items))
             rows = [
                 (table, record_id, value, first + index, self._node, 0)
                 for index, (record_id, value) in enumerate(items)
@@ -341,6 +389,12 @@ class Database:
         conn.executemany(_UPSERT, rows)
         now = self._now()
         conn.executemany(_APPEND, [(*row, now) for row in rows])
+        tops: dict[str, int] = {}
+        for row in rows:
+            origin, version = row[4], row[3]
+            if version > tops.get(origin, 0):
+                tops[origin] = version
+        conn.executemany(_RAISE_TOP, tops.items())
 
     # -- reads -----------------------------------------------------------------------------------------
 
@@ -388,10 +442,7 @@ class Database:
         return int(row[0]) if row is not None else 0
 
     def first_seq(self) -> int:
-        """The lowest audit sequence still held (last_seq() + 1 when the log is empty).
-
-        A subscriber whose cursor is below first_seq() - 1 has missed pruned entries and needs a bulk copy.
-        """
+        """The lowest audit sequence still held (last_seq() + 1 when the log is empty)."""
         with self._read() as conn:
             row = conn.execute("SELECT min(seq) FROM audit").fetchone()
             return int(row[0]) if row[0] is not None else self._head(conn) + 1
@@ -407,98 +458,67 @@ class Database:
 
     # -- streaming (sender side) -----------------------------------------------------------------------
 
-    def audit_after(
-        self, seq: int, limit: int, exclude: frozenset[str] = frozenset()
-    ) -> tuple[list[tuple[int, Entry]], int]:
-        """Audit entries after `seq` in order, without the excluded origins, at most `limit` of them.
-
-        Also returns the highest sequence examined, which the subscriber's cursor may move to even when every
-        entry up to it was excluded. With exclusions the examined range is bounded, so the list can come back
-        empty while the sequence moves; it never moves past an entry that was not examined.
-        """
-        if limit < 1:
-            return [], seq
-        select = f"SELECT seq, {_COLUMNS} FROM audit"
+    def origins(self) -> dict[str, Origin]:
+        """What this file holds of each origin it has heard of, its owner's own origin included."""
         with self._read() as conn:
-            if not exclude:
-                rows = conn.execute(f"{select} WHERE seq > ? ORDER BY seq LIMIT ?", (seq, limit)).fetchall()
-                return [(row[0], _entry(row[1:])) for row in rows], rows[-1][0] if rows else seq
-            first = conn.execute("SELECT min(seq) FROM audit WHERE seq > ?", (seq,)).fetchone()[0]
-            if first is None:
-                return [], seq
-            # The window starts at the first entry held, so a pruned stretch does not use it up.
-            upper = first + max(limit * _SCAN_FACTOR, _MIN_SCAN_WINDOW) - 1
-            marks = ", ".join("?" * len(exclude))
-            rows = conn.execute(
-                f"{select} WHERE seq > ? AND seq <= ? AND origin NOT IN ({marks}) ORDER BY seq LIMIT ?",
-                (seq, upper, *sorted(exclude), limit),
-            ).fetchall()
-            if len(rows) == limit:
-                scanned = rows[-1][0]
-            else:
-                scanned = min(upper, conn.execute("SELECT max(seq) FROM audit").fetchone()[0])
-        return [(row[0], _entry(row[1:])) for row in rows], scanned
+            rows = conn.execute("SELECT origin, complete, top FROM origins").fetchall()
+            own_complete = self._clock_value(conn) if not _meta(conn, "recovering") else None
+        held = {origin: Origin(complete=complete, top=top) for origin, complete, top in rows}
+        if own_complete is not None:
+            own = held.get(self._node, Origin())
+            held[self._node] = Origin(complete=max(own.complete, own_complete), top=own.top)
+        return held
 
-    def entry_version_at(self, seq: int) -> int | None:
-        with self._lock:
-            row = self._conn.execute("SELECT version FROM audit WHERE seq = ?", (seq,)).fetchone()
-        return int(row[0]) if row is not None else None
+    def progress(self) -> dict[str, int]:
+        """Where a new subscription resumes each origin: its complete version here (0s left out)."""
+        return {origin: held.complete for origin, held in self.origins().items() if held.complete > 0}
 
-    def copy_walk(
-        self, table: str, after_id: str | None, limit: int, exclude: frozenset[str] = frozenset()
-    ) -> list[Entry]:
-        """Records of a table, tombstones included, in id order after `after_id` (from the start when None
-        or empty), without the excluded origins."""
-        clause = ""
-        params: list[object] = [table, after_id or ""]
-        if exclude:
-            clause = f" AND origin NOT IN ({', '.join('?' * len(exclude))})"
-            params.extend(sorted(exclude))
-        params.append(limit)
+    def origin_entries(self, origin: str, after: int, limit: int) -> list[Entry]:
+        """The records (tombstones included) whose version `origin` wrote above `after`, in version order."""
         with self._lock:
             rows = self._conn.execute(
-                f"SELECT {_COLUMNS} FROM records WHERE tbl = ? AND id > ?{clause} ORDER BY id LIMIT ?", params
+                f"SELECT {_COLUMNS} FROM records WHERE origin = ? AND version > ? ORDER BY version LIMIT ?",
+                (origin, after, limit),
             ).fetchall()
         return [_entry(row) for row in rows]
 
-    def records_by_origin_after(
-        self, origin: str, version: int, limit: int, after: tuple[str, str] | None = None
-    ) -> list[Entry]:
-        """Records (tombstones included) written by `origin` with a version above `version`, in (table, id)
-        order, after the (table, id) position `after`."""
-        query = f"SELECT {_COLUMNS} FROM records WHERE origin = ? AND version > ?"
-        params: tuple[object, ...] = (origin, version)
-        if after is not None:
-            query += " AND (tbl, id) > (?, ?)"
-            params += (after[0], after[1])
+    @property
+    def recovering(self) -> bool:
+        """True while this file may lack some of its owner's own writes (see the module docstring)."""
         with self._lock:
-            rows = self._conn.execute(f"{query} ORDER BY tbl, id LIMIT ?", (*params, limit)).fetchall()
-        return [_entry(row) for row in rows]
+            return bool(_meta(self._conn, "recovering"))
 
-    def last_own_version(self) -> int:
-        """The highest version among audit entries originated by this node (0 when none is held)."""
-        with self._lock:
-            row = self._conn.execute("SELECT max(version) FROM audit WHERE origin = ?", (self._node,)).fetchone()
-        return int(row[0]) if row[0] is not None else 0
+    def finish_recovery(self) -> int:
+        """The peers have served this node's own writes back: the own origin is complete up to the clock
+        again. Returns the number of live records the file holds."""
+        with self._write() as conn:
+            conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('recovering', 0)")
+            return int(conn.execute("SELECT count(*) FROM records WHERE tombstone = 0").fetchone()[0])
 
     # -- applying (subscriber side) --------------------------------------------------------------------
 
-    def apply_batch(
-        self,
-        peer: str,
-        entries: list[Entry],
-        cursor_seq: int | None,
-        cursor_version: int = 0,
-        epoch: str = "",
-    ) -> int:
-        """Apply a peer's records last-writer-wins and, unless `cursor_seq` is None, move this database's
-        cursor for the peer to it, in one transaction. Returns how many records won."""
+    def apply_batch(self, entries: list[Entry], marks: dict[str, int] | None = None) -> int:
+        """Apply a peer's records last-writer-wins and raise the origins' complete versions to the sender's
+        marks, in one transaction. Returns how many records won.
+
+        A mark is the sender's promise that the receiver, once it holds this batch, holds every version the
+        origin wrote up to the mark; the sender keeps it by serving an origin in version order from where the
+        subscription said the receiver was complete.
+        """
         _check_entries(entries)
+        marks = marks or {}
+        for origin, mark in marks.items():
+            check_name(origin, "origin")
+            if not 0 <= mark <= hlc.MAX_VERSION:
+                raise BadRecord(f"mark {mark} for origin {origin!r} is out of range")
         with self._write() as conn:
             won = self._apply(conn, entries)
-            if cursor_seq is not None:
-                # A live position supersedes a bulk copy that was in progress.
-                conn.execute(_SET_CURSOR, (peer, cursor_seq, cursor_version, epoch))
+            conn.executemany(_RAISE_COMPLETE, marks.items())
+            # A peer holding versions of ours above our clock (a file restored from an old backup) moves the
+            # clock past them, so our next writes are above what that peer counts complete.
+            top = max(marks.values(), default=0)
+            if top > self._clock_value(conn):
+                self._set_clock(conn, top)
         return won
 
     def _apply(self, conn: sqlite3.Connection, entries: list[Entry]) -> int:
@@ -545,95 +565,22 @@ class Database:
                     held[(table, record_id)] = (version, origin)
         return held
 
-    def cursor(self, peer: str) -> Cursor | None:
-        with self._lock:
-            row = self._conn.execute(
-                "SELECT seq, version, epoch, copy_snapshot, copy_table, copy_after, copies FROM cursors WHERE peer = ?",
-                (peer,),
-            ).fetchone()
-        if row is None:
-            return None
-        seq, version, epoch, snapshot, table, after, copies = row
-        return Cursor(
-            seq=seq,
-            version=version,
-            epoch=epoch,
-            copy_snapshot=snapshot,
-            copy_table=table,
-            copy_after=after,
-            copies=copies,
-        )
-
-    def begin_copy(self, peer: str, snapshot_seq: int, epoch: str) -> None:
-        """A bulk copy from the peer up to its `snapshot_seq` starts; the live position is dropped."""
-        with self._write() as conn:
-            conn.execute(
-                "INSERT INTO cursors (peer, seq, version, epoch, copy_snapshot, copies) "
-                "VALUES (?, NULL, 0, ?, ?, 1) ON CONFLICT (peer) DO UPDATE SET seq = NULL, version = 0, "
-                "epoch = excluded.epoch, copy_snapshot = excluded.copy_snapshot, copy_table = NULL, "
-                "copy_after = NULL, copies = copies + 1",
-                (peer, epoch, snapshot_seq),
-            )
-
-    def apply_copy_batch(self, peer: str, records: list[Entry], table: str, last_id: str) -> int:
-        """Apply one copy batch last-writer-wins and persist the copy position, in one transaction."""
-        _check_entries(records)
-        check_name(table, "table")
-        with self._write() as conn:
-            won = self._apply(conn, records)
-            conn.execute("UPDATE cursors SET copy_table = ?, copy_after = ? WHERE peer = ?", (table, last_id, peer))
-        return won
-
-    def finish_copy(self, peer: str, snapshot_seq: int, epoch: str, version: int = 0) -> None:
-        """The copy is complete: the live position becomes the snapshot sequence; the copy state is gone."""
-        with self._write() as conn:
-            conn.execute(_SET_CURSOR, (peer, snapshot_seq, version, epoch))
-
-    def reset_cursor(self, peer: str) -> None:
-        """Forget the position in the peer's log, so the next subscription copies; the copy count stays."""
-        with self._write() as conn:
-            conn.execute(
-                "UPDATE cursors SET seq = NULL, version = 0, epoch = '', copy_snapshot = NULL, "
-                "copy_table = NULL, copy_after = NULL WHERE peer = ?",
-                (peer,),
-            )
-
     # -- retention -------------------------------------------------------------------------------------
 
-    def record_ack(self, peer: str, seq: int) -> None:
-        """A subscriber confirmed it holds our log up to `seq`."""
-        with self._write() as conn:
-            conn.execute(
-                "INSERT INTO acks (peer, seq, at) VALUES (?, ?, ?) "
-                "ON CONFLICT (peer) DO UPDATE SET seq = excluded.seq, at = excluded.at",
-                (peer, seq, self._now()),
-            )
+    def prune_audit(self, retention_seconds: float, now: float) -> int:
+        """Delete the audit entries older than the retention window; returns how many were deleted. `now` is
+        wall-clock seconds since the epoch, the scale of the store's clock that stamped the entries.
 
-    def acks(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._conn.execute("SELECT peer, seq FROM acks").fetchall())
-
-    def prune_audit(self, peers: list[str], retention_seconds: float, now: float) -> int:
-        """Delete the audit entries every listed peer has acknowledged, and those older than the retention
-        window whoever still needs them. Returns how many entries were deleted. `now` is wall-clock seconds
-        since the epoch, the scale of the store's clock that stamped the entries.
-
-        With no peer listed nothing counts as acknowledged: a node that has not learned its subscribers yet
-        must not drop the log they will resume from. Only a prefix of the log is ever deleted, so the log
-        stays contiguous, which audit_after's scan bound relies on.
+        The audit log is history, not the replication stream: senders serve the records table by origin, so
+        pruning never decides what a peer receives, and no holder needs a pin here.
         """
         with self._read() as conn:
-            floor = 0
-            if peers:
-                acked = dict(conn.execute("SELECT peer, seq FROM acks").fetchall())
-                if all(peer in acked for peer in peers):
-                    floor = min(acked[peer] for peer in peers)
             young = conn.execute(
                 "SELECT seq FROM audit WHERE committed_at >= ? ORDER BY seq LIMIT 1",
                 (now - retention_seconds,),
             ).fetchone()
             # Everything before the first young entry is old; with no young entry, the whole log is.
-            floor = max(floor, young[0] - 1 if young is not None else self._head(conn))
+            floor = young[0] - 1 if young is not None else self._head(conn)
             low = conn.execute("SELECT min(seq) FROM audit").fetchone()[0]
         deleted = 0
         while low is not None and low <= floor:
@@ -678,11 +625,14 @@ class Store:
         clock: hlc.WallClock = time.time_ns,
         *,
         synchronous: str = "NORMAL",
+        clock_lead: float = 0.0,
     ) -> None:
+        """`clock_lead`: how far ahead of the wall clock a recovering file's clock starts (max_clock_skew)."""
         self.data_dir = Path(data_dir)
         self.node = check_name(node_name, "node")
         self._clock = clock
         self._synchronous = synchronous
+        self._clock_lead = clock_lead
         self._databases: dict[str, Database] = {}
         self._lock = threading.Lock()
 
@@ -700,7 +650,15 @@ class Store:
                 raise UnknownDatabase(name)
             if create:
                 self.data_dir.mkdir(parents=True, exist_ok=True)
-            db = Database(path, name, self.node, self._clock, create=create, synchronous=self._synchronous)
+            db = Database(
+                path,
+                name,
+                self.node,
+                self._clock,
+                create=create,
+                synchronous=self._synchronous,
+                clock_lead=self._clock_lead,
+            )
             self._databases[name] = db
             return db
 

@@ -4,16 +4,17 @@ Each WebSocket binary message carries exactly one msgpack tagged struct; the Web
 maximum message size caps it (`replication.max_frame_bytes`). One session replicates one database.
 
     subscriber                                sender
-        Hello(node, protocol, capabilities) -->
-                                           <-- Hello
-        Subscribe(database, resume, exclude) ->
-                                           <-- Schema(database, epoch, head_seq, copy)
-      [ copy:                              <-- CopyStart(snapshot_seq)
-                                           <-- CopyBatch(table, records, last_id) ...
-                                           <-- CopyComplete(snapshot_seq)        ]
-      [ self-catchup:                      <-- Batch(entries, last_seq=None) ... ]
-                                           <-- Batch(entries, last_seq, head_seq) ...
+        Hello(node, protocol, wall) -------->
+                                           <-- Hello(node, protocol, wall)
+        Subscribe(database, progress, exclude) ->
+                                           <-- Schema(database, epoch, head_seq)
+                                           <-- Batch(entries, marks, head_seq, caught_up) ...
         Ack(seq) -------------------------->
+
+Replication is by origin. `progress` says, per origin, up to which version the subscriber holds everything;
+the sender serves every origin not in `exclude` from there, in version order per origin, and each Batch's
+`marks` raise those versions in the subscriber's apply transaction. A first sync is the same stream from 0,
+so it resumes wherever it stopped. `wall` is each end's wall clock, so both see the offset before data moves.
 
 Close codes: 1000 normal, 1001 going away (shutdown), 1002 malformed frame, 1003 unknown message type,
 1008 refused (authentication or policy), 1009 frame too large, 1011 internal error,
@@ -25,8 +26,8 @@ from __future__ import annotations
 import msgspec
 
 SUBPROTOCOL = "replicator.v1"
-PROTOCOL_VERSION = 1
-CAPABILITIES = ["copy", "catchup", "exclude"]
+PROTOCOL_VERSION = 2
+CAPABILITIES = ["origins", "exclude"]
 
 CLOSE_NORMAL = 1000
 CLOSE_GOING_AWAY = 1001
@@ -54,57 +55,36 @@ class Hello(msgspec.Struct, tag="hello", kw_only=True):
     node: str
     protocol: int = PROTOCOL_VERSION
     capabilities: list[str] = []
+    wall: float = 0.0  # the sender of this Hello's wall clock, seconds since the epoch
 
 
 class Subscribe(msgspec.Struct, tag="subscribe", kw_only=True):
     database: str
-    # Resume after this sequence of the sender's audit log; None asks for a bulk copy first.
-    resume_seq: int | None = None
-    # The version of the entry at resume_seq as the subscriber received it, so the sender can tell a log that was
-    # replaced (restored from a backup) from the one the cursor points into.
-    resume_version: int = 0
-    epoch: str = ""
+    # Per origin, the version up to which the subscriber holds every write; origins absent start at 0.
+    progress: dict[str, int] = {}
+    # Origins the subscriber receives over other links: the sender does not serve them on this session.
     exclude: list[str] = []
-    # Self-catchup: send the records originated by the subscriber itself with a version above this first.
-    catchup_after: int | None = None
 
 
 class Schema(msgspec.Struct, tag="schema", kw_only=True):
     database: str
     epoch: str
-    head_seq: int
-    copy: bool  # a bulk copy follows
-
-
-class CopyStart(msgspec.Struct, tag="copy_start", kw_only=True):
-    snapshot_seq: int
-
-
-class CopyBatch(msgspec.Struct, tag="copy_batch", kw_only=True):
-    table: str
-    records: list[Entry]
-    last_id: str
-
-
-class CopyComplete(msgspec.Struct, tag="copy_complete", kw_only=True):
-    snapshot_seq: int
-    snapshot_version: int = 0  # the version of the entry at snapshot_seq, for the resume check
+    head_seq: int  # the sender's audit sequence, for the subscriber's progress figures
 
 
 class Batch(msgspec.Struct, tag="batch", kw_only=True):
     entries: list[Entry]
-    # The sender's audit sequence this batch brings the subscriber to (excluded entries included); None for a
-    # self-catchup batch, which does not move the cursor.
-    last_seq: int | None
-    last_version: int = 0
+    # Per origin: once the subscriber holds this batch it holds every version of the origin up to the mark.
+    marks: dict[str, int] = {}
     head_seq: int = 0
+    caught_up: bool = False  # the sender had nothing more to serve when it made this batch
 
 
 class Ack(msgspec.Struct, tag="ack", kw_only=True):
-    seq: int  # the subscriber's durable cursor
+    seq: int  # how many batches the subscriber has applied on this session
 
 
-Message = Hello | Subscribe | Schema | CopyStart | CopyBatch | CopyComplete | Batch | Ack
+Message = Hello | Subscribe | Schema | Batch | Ack
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -168,6 +148,14 @@ class Refused(SessionError):
     """The peer refused us, or we refuse the peer (authentication, policy)."""
 
     code = CLOSE_POLICY
+
+
+class ClockSkew(Refused):
+    """The peer's clock, or a version it sent, lies further ahead of ours than `replication.max_clock_skew`."""
+
+    def __init__(self, reason: str, skew_s: float) -> None:
+        super().__init__(reason)
+        self.skew_s = skew_s
 
 
 def close_reason(text: str) -> str:

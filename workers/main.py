@@ -182,7 +182,7 @@ class Worker:
         try:
             directory = config_module.data_dir(config)
             directory.mkdir(parents=True, exist_ok=True)
-            store = Store(directory, config.node.name)
+            store = Store(directory, config.node.name, clock_lead=config.replication.max_clock_skew)
             store.database(SYSTEM, create=True)
         except OSError as exc:
             raise BootError(f"data directory {config_module.data_dir(config)}: {exc.strerror or exc}") from None
@@ -247,7 +247,6 @@ class Worker:
                     key=message.key,
                     database=message.database,
                     dispatch=message.dispatch,
-                    catchup=message.catchup_after is not None,
                 )
             )
         elif action == "unsubscribe" and session is not None:

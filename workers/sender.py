@@ -1,7 +1,9 @@
 """The sending end of a replication session (inbound connection, authenticated peer).
 
-After the handshake the sender answers `Schema`, bulk-copies when the subscriber has no usable cursor, sends the
-self-catchup records when asked, then streams the audit log after the cursor and tails new commits. At most
+After the handshake the sender answers `Schema`, then serves every origin the subscriber did not exclude from the
+records table, in version order per origin, starting where the subscription says the subscriber is complete, and
+tails new commits the same way. Each batch carries marks (see `shared.wire.Batch`): an origin's mark rises to
+what this node holds complete of it once everything held above the subscriber's position has been sent. At most
 `replication.window` batches are in flight unacknowledged, and every send awaits the socket's drain, so a slow
 receiver slows the sender instead of making it buffer.
 """
@@ -13,13 +15,13 @@ from typing import Any
 
 from shared import wire
 from shared.config import NAME_RE
-from shared.logs import log
+from shared.hlc import MAX_VERSION
 from shared.store import Database
 from workers import frames
 from workers.context import WorkerContext
 
 HANDSHAKE_TIMEOUT = 15.0
-MAX_EXCLUDE = 1024
+MAX_ORIGINS = 1024
 
 
 class Sender:
@@ -46,19 +48,15 @@ class Sender:
             raise wire.Refused(f"Hello names {hello.node!r} but the certificate names {self._peer!r}")
         if hello.protocol != wire.PROTOCOL_VERSION:
             raise wire.Refused(f"protocol {hello.protocol} is not spoken here ({wire.PROTOCOL_VERSION})")
-        await frames.send(self._ws, wire.Hello(node=self._ctx.node, capabilities=wire.CAPABILITIES))
+        await frames.send(
+            self._ws, wire.Hello(node=self._ctx.node, capabilities=wire.CAPABILITIES, wall=self._ctx.wall())
+        )
         sub = await frames.expect(self._ws, wire.Subscribe, HANDSHAKE_TIMEOUT)
         db = self._open(sub)
-        exclude = frozenset(sub.exclude)
-        head = db.last_seq()
-        copy = self._needs_copy(db, sub, head)
-        await frames.send(self._ws, wire.Schema(database=db.name, epoch=db.epoch, head_seq=head, copy=copy))
+        await frames.send(self._ws, wire.Schema(database=db.name, epoch=db.epoch, head_seq=db.last_seq()))
         reader = asyncio.get_running_loop().create_task(self._read_acks(db))
         try:
-            cursor = await self._copy(db, exclude) if copy else (sub.resume_seq or 0)
-            if sub.catchup_after is not None:
-                await self._catchup(db, sub.catchup_after)
-            await self._tail(db, cursor, exclude)
+            await self._serve(db, dict(sub.progress), frozenset(sub.exclude))
         finally:
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
@@ -68,23 +66,16 @@ class Sender:
             raise wire.ProtocolViolation(f"bad database name {sub.database[:70]!r}")
         if not self._ctx.replicates(sub.database):
             raise wire.Refused(f"database {sub.database!r} is not replicated by {self._ctx.node}")
-        if len(sub.exclude) > MAX_EXCLUDE:
-            raise wire.ProtocolViolation(f"exclude list of {len(sub.exclude)} origins exceeds {MAX_EXCLUDE}")
+        if len(sub.exclude) > MAX_ORIGINS or len(sub.progress) > MAX_ORIGINS:
+            raise wire.ProtocolViolation(
+                f"subscription names {len(sub.exclude)} excluded and {len(sub.progress)} resumed origins;"
+                f" at most {MAX_ORIGINS} each"
+            )
+        for origin, version in sub.progress.items():
+            if not NAME_RE.match(origin) or not 0 <= version <= MAX_VERSION:
+                raise wire.ProtocolViolation(f"bad resume point {origin[:70]!r}: {version}")
         self._database = sub.database
         return self._ctx.database(sub.database, create=True)
-
-    @staticmethod
-    def _needs_copy(db: Database, sub: wire.Subscribe, head: int) -> bool:
-        if sub.resume_seq is None or sub.epoch != db.epoch or sub.resume_seq > head:
-            return True
-        if sub.resume_seq < db.first_seq() - 1:
-            return True  # the entries after the cursor were pruned: only a copy can bring the subscriber up
-        if sub.resume_seq == 0:
-            return False
-        # The entry the cursor points at must still be the one the subscriber received; a log replaced from a
-        # backup reuses sequence numbers for other entries.
-        version = db.entry_version_at(sub.resume_seq)
-        return version is not None and sub.resume_version != 0 and version != sub.resume_version
 
     async def _read_acks(self, db: Database) -> None:
         try:
@@ -93,8 +84,6 @@ class Sender:
                 if not isinstance(message, wire.Ack):
                     raise wire.ProtocolViolation(f"expected Ack, got {type(message).__name__}")
                 self._acked += 1
-                if message.seq > 0:
-                    db.record_ack(self._peer, message.seq)
                 self._room.set()
         except wire.SessionError as exc:
             self._gone = exc
@@ -129,64 +118,82 @@ class Sender:
             size += cost
         return chunks
 
-    async def _copy(self, db: Database, exclude: frozenset[str]) -> int:
-        snapshot = db.last_seq()
-        await self._send_batch(wire.CopyStart(snapshot_seq=snapshot))
-        log.info("copy_started", peer=self._peer, database=db.name, snapshot_seq=snapshot)
-        sent = 0
-        for table in db.tables():
-            after = ""
-            while True:
-                records = db.copy_walk(table, after, self._settings.batch_size, exclude)
-                if not records:
-                    break
-                for chunk in self._chunks(records):
-                    await self._send_batch(wire.CopyBatch(table=table, records=chunk, last_id=chunk[-1].id))
-                after = records[-1].id
-                sent += len(records)
-                self._ctx.counters.inc("replicator_records_sent_total", db.name, self._peer, value=len(records))
-        version = db.entry_version_at(snapshot) or 0 if snapshot else 0
-        await self._send_batch(wire.CopyComplete(snapshot_seq=snapshot, snapshot_version=version))
-        log.info("copy_finished", peer=self._peer, database=db.name, snapshot_seq=snapshot, records=sent)
-        return snapshot
-
-    async def _catchup(self, db: Database, after_version: int) -> None:
-        position: tuple[str, str] | None = None
-        sent = 0
-        while True:
-            records = db.records_by_origin_after(self._peer, after_version, self._settings.batch_size, position)
-            if not records:
-                break
-            for chunk in self._chunks(records):
-                await self._send_batch(wire.Batch(entries=chunk, last_seq=None))
-            position = (records[-1].table, records[-1].id)
-            sent += len(records)
-        log.info("self_catchup_served", peer=self._peer, database=db.name, records=sent)
-
-    async def _tail(self, db: Database, cursor: int, exclude: frozenset[str]) -> None:
+    async def _serve(self, db: Database, marks: dict[str, int], exclude: frozenset[str]) -> None:
+        """Stream every origin not excluded, from the subscriber's marks on, until the session ends."""
         feed = self._ctx.feeds.get(db.name)
+        plan = OriginPlan(marks, exclude)
+        told_caught_up = False
         while True:
             self._check_gone()
-            rows, scanned = db.audit_after(cursor, self._settings.batch_size, exclude)
-            if scanned <= cursor:
+            entries, new_marks, more = plan.next_batch(db, self._settings.batch_size)
+            if not entries and not new_marks:
+                if not told_caught_up:
+                    await self._send_batch(wire.Batch(entries=[], head_seq=db.last_seq(), caught_up=True))
+                    told_caught_up = True
                 await feed.wait(timeout=1.0)
                 continue
-            entries = [entry for _, entry in rows]
-            exact = rows and rows[-1][0] == scanned
-            last_version = rows[-1][1].version if exact else (db.entry_version_at(scanned) or 0)
             head = db.last_seq()
             chunks = self._chunks(entries)
             for index, chunk in enumerate(chunks):
                 last = index == len(chunks) - 1
-                # Only the last chunk moves the cursor: a subscriber that stops between chunks re-reads the batch.
+                # Only the last chunk raises the marks: a subscriber that stops between chunks is served the
+                # batch again from its previous marks.
                 await self._send_batch(
                     wire.Batch(
                         entries=chunk,
-                        last_seq=scanned if last else None,
-                        last_version=last_version if last else 0,
+                        marks=new_marks if last else {},
                         head_seq=head,
+                        caught_up=last and not more,
                     )
                 )
+            told_caught_up = not more
             if entries:
                 self._ctx.counters.inc("replicator_records_sent_total", db.name, self._peer, value=len(entries))
-            cursor = scanned
+
+
+class OriginPlan:
+    """Which records of which origin go next on one session, and the marks they earn.
+
+    `marks[o]`: the subscriber holds every version of origin o up to it (its resume point, then what this
+    session has served). `positions[o]`: the last version of o sent. An origin's mark rises to this node's
+    complete version of it once nothing held above the position remains unsent; while a batch is cut short by
+    the size limit, the mark rises only to the last version sent. Records above what this node holds complete
+    (a recovering origin's newest writes) are served as they come but earn no mark; if the complete version
+    later rises past the mark, the origin is served again from the mark, so a version that arrived here late,
+    below one already sent, is not skipped.
+    """
+
+    def __init__(self, marks: dict[str, int], exclude: frozenset[str]) -> None:
+        self.marks = marks
+        self.positions = dict(marks)
+        self.exclude = exclude
+
+    def next_batch(self, db: Database, limit: int) -> tuple[list[wire.Entry], dict[str, int], bool]:
+        """(entries, raised marks, more pending) for the next batch of at most `limit` entries."""
+        entries: list[wire.Entry] = []
+        raised: dict[str, int] = {}
+        more = False
+        for origin, held in sorted(db.origins().items()):
+            if origin in self.exclude:
+                continue
+            mark = self.marks.get(origin, 0)
+            position = self.positions.get(origin, mark)
+            if held.complete > mark and position > mark:
+                position = mark
+            cut_short = False
+            if held.top > position:
+                room = limit - len(entries)
+                if room <= 0:
+                    more = True
+                    continue
+                got = db.origin_entries(origin, position, room)
+                entries.extend(got)
+                if got:
+                    position = got[-1].version
+                cut_short = len(got) == room
+            self.positions[origin] = position
+            reach = min(position, held.complete) if cut_short else held.complete
+            more = more or cut_short
+            if reach > mark:
+                self.marks[origin] = raised[origin] = reach
+        return entries, raised, more

@@ -7,7 +7,7 @@ Lifecycle (`State`):
 
 A session is one dial attempt and what follows it; each has its own session id, which the reports carry so the
 coordinator can tell a report from the monitored session from a stale one. Reconnects follow the one backoff
-schedule (floor 0.5 s, 0.5 -> 30 s, full jitter or equal), reset on the first frame sent on a new session. A force
+schedule (floor 0.5 s, 0.5 -> 30 s, full jitter or equal), reset once a peer has accepted a subscription. A force
 reconnect interrupts whatever the session is doing and schedules exactly one immediate reconnect.
 """
 
@@ -88,8 +88,7 @@ class PeerSession:
         self.peer_head_seq = 0
         self.lag_seconds = 0.0
         self.applied = 0
-        self.copies = 0
-        self.copying = False
+        self.caught_up = False
         self._dirty = False
         self._last_progress = 0.0
 
@@ -116,11 +115,9 @@ class PeerSession:
     # -- commands from the coordinator -------------------------------------------------------------------
 
     def update(self, sub: messages.Subscribe) -> bool:
-        """Take a newer subscribe for the same pair; True when it needs a new session to take effect."""
+        """Take a newer subscribe for the same pair; True when it needs a new session to take effect (a new
+        route resumes from the origins' complete versions, so nothing is skipped or lost by the move)."""
         reconnect = sub.url != self.sub.url or sorted(sub.exclude) != sorted(self.sub.exclude)
-        if self.sub.catchup_after is not None and sub.catchup_after is None:
-            # The rider is the worker's until a session has carried it out.
-            sub.catchup_after = self.sub.catchup_after
         self.sub = sub
         if reconnect:
             self.force_reconnect(None, "subscription changed")
@@ -216,6 +213,16 @@ class PeerSession:
         exc = attempt.exception()
         if exc is None:
             return "session ended"
+        if isinstance(exc, wire.ClockSkew):
+            log.warning(
+                "clock_skew_refused",
+                sample_by=("peer", "database"),
+                peer=self.peer,
+                database=self.database,
+                skew_s=round(exc.skew_s, 3),
+            )
+            self._ctx.counters.inc("replicator_clock_skew_refusals_total", self.peer)
+            return exc.reason
         if isinstance(exc, wire.SessionError):
             return exc.reason
         if isinstance(exc, wire.MalformedFrame):
@@ -281,32 +288,29 @@ class PeerSession:
 
     async def _stream(self, ws: Any, session: int) -> None:
         ctx = self._ctx
-        await frames.send(ws, wire.Hello(node=ctx.node, capabilities=wire.CAPABILITIES))
-        self._backoff.reset()
+        settings = ctx.config.replication
+        await frames.send(ws, wire.Hello(node=ctx.node, capabilities=wire.CAPABILITIES, wall=ctx.wall()))
         hello = await frames.expect(ws, wire.Hello, HANDSHAKE_TIMEOUT)
         if hello.node != self.peer:
             raise wire.Refused(f"dialled {self.peer!r} but the peer says it is {hello.node!r}")
+        if hello.protocol != wire.PROTOCOL_VERSION:
+            raise wire.Refused(f"the peer speaks protocol {hello.protocol}, this node {wire.PROTOCOL_VERSION}")
+        offset = hello.wall - ctx.wall() if hello.wall else 0.0
+        ctx.report(messages.PeerClock(peer=self.peer, offset_seconds=round(offset, 6)))
+        if offset > settings.max_clock_skew:
+            raise wire.ClockSkew(
+                f"the peer's clock is {offset:.1f} s ahead of ours (max_clock_skew {settings.max_clock_skew:g} s)",
+                offset,
+            )
         db = ctx.database(self.database, create=True)
-        cursor = db.cursor(self.peer)
-        copy_pending = cursor is None or cursor.seq is None or cursor.copy_snapshot is not None
-        resume = None if copy_pending or cursor is None else cursor.seq
-        await frames.send(
-            ws,
-            wire.Subscribe(
-                database=self.database,
-                resume_seq=resume,
-                resume_version=cursor.version if cursor is not None and cursor.version else 0,
-                epoch=cursor.epoch if cursor is not None and cursor.epoch else "",
-                exclude=self.sub.exclude,
-                catchup_after=self.sub.catchup_after,
-            ),
-        )
+        progress = db.progress()
+        await frames.send(ws, wire.Subscribe(database=self.database, progress=progress, exclude=self.sub.exclude))
         schema = await frames.expect(ws, wire.Schema, HANDSHAKE_TIMEOUT)
-        epoch = schema.epoch
-        self.copies = cursor.copies if cursor is not None else 0
+        # The schedule starts over only once the peer has taken the subscription: a session refused at the
+        # handshake keeps backing off.
+        self._backoff.reset()
         self.peer_head_seq = schema.head_seq
-        self.last_received_seq = resume or 0
-        self.copying = schema.copy
+        self.caught_up = False
         self.connected = True
         self._set_state(State.STREAMING)
         self.last_error = ""
@@ -316,8 +320,8 @@ class PeerSession:
             database=self.database,
             worker=ctx.worker_id,
             session=session,
-            copy=schema.copy,
-            resume_seq=resume,
+            origins=len(progress),
+            exclude=self.sub.exclude,
         )
         ctx.report(
             messages.Connected(
@@ -330,49 +334,45 @@ class PeerSession:
         )
         self._report_progress(session, force=True)
         labels = (self.database, self.peer)
+        batches = 0
         while True:
             message = await frames.receive(ws)
-            match message:
-                case wire.Batch(entries=entries, last_seq=last_seq, last_version=last_version, head_seq=head):
-                    applied = db.apply_batch(self.peer, entries, last_seq, last_version, epoch)
-                    self.applied += applied
-                    if applied:
-                        ctx.counters.inc("replicator_records_applied_total", *labels, value=applied)
-                        ctx.feeds.poke(self.database)
-                    if last_seq is None:
-                        await frames.send(ws, wire.Ack(seq=0))
-                    else:
-                        if self.sub.catchup_after is not None:
-                            self.sub.catchup_after = None  # the peer has served the self-catchup
-                        self.last_received_seq = last_seq
-                        self.peer_head_seq = max(head, last_seq)
-                        await frames.send(ws, wire.Ack(seq=last_seq))
-                    if self.last_received_seq >= self.peer_head_seq:
-                        self.lag_seconds = 0.0
-                    elif entries:
-                        self.lag_seconds = max(0.0, ctx.wall() - physical_seconds(entries[-1].version))
-                case wire.CopyStart(snapshot_seq=snapshot):
-                    db.begin_copy(self.peer, snapshot, epoch)
-                    self.copies += 1
-                    self.copying = True
-                    await frames.send(ws, wire.Ack(seq=0))
-                case wire.CopyBatch(table=table, records=records, last_id=last_id):
-                    applied = db.apply_copy_batch(self.peer, records, table, last_id)
-                    self.applied += applied
-                    if applied:
-                        ctx.counters.inc("replicator_records_applied_total", *labels, value=applied)
-                        ctx.feeds.poke(self.database)
-                    await frames.send(ws, wire.Ack(seq=0))
-                case wire.CopyComplete(snapshot_seq=snapshot, snapshot_version=snapshot_version):
-                    db.finish_copy(self.peer, snapshot, epoch, snapshot_version)
-                    self.copying = False
-                    self.last_received_seq = snapshot
-                    await frames.send(ws, wire.Ack(seq=snapshot))
-                case _:
-                    raise wire.ProtocolViolation(f"unexpected {type(message).__name__} from the sender")
+            if not isinstance(message, wire.Batch):
+                raise wire.ProtocolViolation(f"unexpected {type(message).__name__} from the sender")
+            self._check_clock(message)
+            applied = db.apply_batch(message.entries, message.marks)
+            batches += 1
+            await frames.send(ws, wire.Ack(seq=batches))
+            self.applied += applied
+            if applied:
+                ctx.counters.inc("replicator_records_applied_total", *labels, value=applied)
+                ctx.feeds.poke(self.database)
+            was_caught_up = self.caught_up
+            self.caught_up = message.caught_up
+            if message.caught_up:
+                self.last_received_seq = self.peer_head_seq = message.head_seq
+                self.lag_seconds = 0.0
+            else:
+                self.peer_head_seq = max(message.head_seq, self.last_received_seq + 1)
+                if message.entries:
+                    self.lag_seconds = max(0.0, ctx.wall() - physical_seconds(message.entries[-1].version))
             self._dirty = True
-            # Copy boundaries are reported at once: they change what /status says about the pair.
-            self._report_progress(session, force=isinstance(message, wire.CopyStart | wire.CopyComplete))
+            # Reaching or leaving the caught-up state is reported at once: routing and recovery wait on it.
+            self._report_progress(session, force=message.caught_up != was_caught_up)
+
+    def _check_clock(self, batch: wire.Batch) -> None:
+        """Refuse versions further ahead of our wall clock than max_clock_skew: they would drag our clock (and,
+        relayed, every node's) into the future."""
+        ceiling = int((self._ctx.wall() + self._ctx.config.replication.max_clock_skew) * 1_000_000)
+        top = max((entry.version for entry in batch.entries), default=0)
+        top = max(top, max(batch.marks.values(), default=0))
+        if top > ceiling:
+            skew = physical_seconds(top) - self._ctx.wall()
+            raise wire.ClockSkew(
+                f"version {top} is {skew:.1f} s ahead of our clock"
+                f" (max_clock_skew {self._ctx.config.replication.max_clock_skew:g} s)",
+                skew,
+            )
 
     def _report_progress(self, session: int, force: bool = False) -> None:
         now = self._loop.time()
@@ -394,8 +394,7 @@ class PeerSession:
                 peer_head_seq=self.peer_head_seq,
                 lag_seconds=round(self.lag_seconds, 6),
                 applied=self.applied,
-                copies=self.copies,
-                copying=self.copying,
+                caught_up=self.caught_up,
             )
         )
 

@@ -1,4 +1,4 @@
-"""The coordinator's decisions in virtual time: setups, re-drive timers, stall kicks, stale sweeps, self-catchup.
+"""The coordinator's decisions in virtual time: setups, re-drive timers, stall kicks, stale sweeps.
 
 The node runs on the virtual-time loop with a fake supervisor that records every message it would send to a
 worker, with the virtual time it was sent at. No process, no socket.
@@ -142,15 +142,16 @@ def test_a_connect_report_resets_the_delay_and_cancels_nothing(loop: VirtualTime
     assert any(m.database == "db" for _, _, m in supervisor.of(messages.Subscribe))
 
 
-def test_exclusions_name_this_node_and_the_other_direct_peers(loop: VirtualTimeLoop) -> None:
+def test_exclusions_name_the_other_direct_peers_never_this_node(loop: VirtualTimeLoop) -> None:
     node, supervisor = make_node(loop)
     add(node, peer("b", 2000))
     add(node, peer("c", 3000))
     node.on_node_update(node.views["b"], event=False)
     loop.advance(1.0)
     latest = {(m.peer, m.database): m for _, _, m in supervisor.of(messages.Subscribe)}
-    assert latest[("b", "db")].exclude == ["c", "self"]
-    assert latest[("c", "db")].exclude == ["b", "self"]
+    # Our own origin is always carried: a lost file gets our own writes back from the peers.
+    assert latest[("b", "db")].exclude == ["c"]
+    assert latest[("c", "db")].exclude == ["b"]
 
 
 # -- the re-drive timer and its five disarm points -----------------------------------------------------------------
@@ -164,7 +165,7 @@ def _wedged(loop: VirtualTimeLoop) -> tuple[Node, FakeSupervisor, NodeView]:
     entry = node.map.by_peer("b")
     assert entry is not None
     for database in ("system", "db"):
-        accepted = messages.SubscribeAccepted(key=entry.key, database=database, dispatch=1, catchup=False)
+        accepted = messages.SubscribeAccepted(key=entry.key, database=database, dispatch=1)
         node.on_worker_message(entry.worker, accepted)
     loop.advance_to(WEDGE + 1.0)
     node.reconcile()
@@ -265,7 +266,7 @@ def _stalled(loop: VirtualTimeLoop) -> tuple[Node, FakeSupervisor, NodeView]:
     key = connection_key(view.url)
     progress = messages.Progress(
         key=key, database="db", worker=0, session=41, last_received_seq=10, peer_head_seq=50,
-        lag_seconds=3.0, applied=10, copies=0,
+        lag_seconds=3.0, applied=10,
     )  # fmt: skip
     node.on_worker_message(0, progress)
     loop.advance_to(STALL + 1.0)
@@ -305,7 +306,6 @@ def test_progress_from_the_monitored_session_releases_the_kick(loop: VirtualTime
             peer_head_seq=50,
             lag_seconds=1.0,
             applied=11,
-            copies=0,
         ),
     )
     loop.advance(1.0)
@@ -352,7 +352,7 @@ def test_a_dead_workers_pairs_move_in_one_sweep_spaced_by_the_stagger(loop: Virt
     supervisor.sent.clear()
     supervisor.workers[victim].alive = False
     node.on_worker_exit(supervisor.workers[victim])  # type: ignore[arg-type]
-    loop.advance(40.0)
+    loop.advance(9.0)  # within failover_after: no route changes join the sweep
     times = sorted(t for t, slot, m in supervisor.of(messages.Subscribe))
     assert len(times) == 2 * len(moved)
     assert all(b - a >= STAGGER - 1e-9 for a, b in itertools.pairwise(times))
@@ -367,7 +367,7 @@ def _accept_all(node: Node, view: NodeView) -> None:
     entry = node.map.by_peer(view.name)
     assert entry is not None
     for database in entry.pairs:
-        accepted = messages.SubscribeAccepted(key=entry.key, database=database, dispatch=1, catchup=False)
+        accepted = messages.SubscribeAccepted(key=entry.key, database=database, dispatch=1)
         node.on_worker_message(entry.worker, accepted)
 
 
@@ -515,69 +515,18 @@ def test_wedge_redrives_registry_setups_and_a_stale_sweep_share_one_ladder(loop:
     add(node, e)  # and a new peer from the registry, at the same instant
     loop.advance(5.0)
     sends = _sends(supervisor, since=WEDGE)
-    # Every draw is 0.5 (0.3 s): all six would fire at 31.3 without the shared ladder. b's second re-drive claims
-    # its slot when the first fires, after the slots the sweep and the update claimed at 31.0.
+    # Every draw is 0.5 (0.3 s): all would fire at 31.3 without the shared ladder. The wedge re-drive holds 31.3;
+    # e, a new direct peer, changes b's exclusions, so b's pairs are set up again with the new route on the
+    # ladder, and the re-drive finds them armed (the schedule's, not wedged) and sends nothing of its own.
     assert sends == [
-        (WEDGE + 1.3, "force", b.url, "system"),
-        (WEDGE + 1.35, "setup", c.url, "system"),
-        (WEDGE + 1.4, "setup", c.url, "db"),
-        (WEDGE + 1.45, "setup", e.url, "system"),
-        (WEDGE + 1.5, "setup", e.url, "db"),
-        (WEDGE + 1.55, "force", b.url, "db"),
+        (WEDGE + 1.35, "setup", e.url, "system"),
+        (WEDGE + 1.4, "setup", e.url, "db"),
+        (WEDGE + 1.5, "setup", c.url, "system"),
+        (WEDGE + 1.55, "setup", c.url, "db"),
+        (WEDGE + 1.6, "setup", b.url, "system"),
+        (WEDGE + 1.65, "setup", b.url, "db"),
     ]
     _assert_spaced([t for t, *_ in sends])
-
-
-# -- self-catchup ----------------------------------------------------------------------------------------------------
-
-
-def _catchups(supervisor: FakeSupervisor) -> list[tuple[str, int | None]]:
-    return [(m.peer, m.catchup_after) for _, _, m in supervisor.of(messages.Subscribe) if m.database == "db"]
-
-
-def test_the_self_catchup_rider_is_consumed_only_when_a_worker_accepts_it(loop: VirtualTimeLoop) -> None:
-    node, supervisor = make_node(loop)
-    node.catchup = {"db": 42}
-    b, c = peer("b", 2000), peer("c", 3000)
-    supervisor.deliver = False  # a failed pipe write does not consume it
-    add(node, b)
-    loop.advance(1.0)
-    assert _catchups(supervisor) == []
-    supervisor.deliver = True
-    add(node, peer("b", 2000, version=2))
-    loop.advance(1.0)
-    assert _catchups(supervisor) == [("b", 42)]
-    add(node, c)  # one peer per database: c is not asked while b's request is in flight
-    loop.advance(1.0)
-    assert _catchups(supervisor)[-1] == ("c", None)
-    # The worker died before accepting: the request is not lost.
-    entry = node.map.by_peer("b")
-    assert entry is not None
-    supervisor.workers[entry.worker].alive = False
-    node.on_worker_exit(supervisor.workers[entry.worker])  # type: ignore[arg-type]
-    loop.advance(2.0)
-    retried = [(p, after) for p, after in _catchups(supervisor) if after == 42]
-    assert len(retried) == 2
-    last = [m for _, _, m in supervisor.of(messages.Subscribe) if m.catchup_after == 42][-1]
-    node.on_worker_message(
-        0, messages.SubscribeAccepted(key=last.key, database="db", dispatch=last.dispatch, catchup=True)
-    )
-    assert node.catchup == {}
-    add(node, peer("c", 3000, version=5))
-    loop.advance(2.0)
-    assert all(after is None for _, after in _catchups(supervisor)[-1:])
-
-
-def test_a_cancelled_pair_does_not_take_the_rider_with_it(loop: VirtualTimeLoop) -> None:
-    node, supervisor = make_node(loop)
-    node.catchup = {"db": 7}
-    add(node, peer("b", 2000))
-    loop.advance(1.0)
-    assert _catchups(supervisor) == [("b", 7)]
-    add(node, peer("b", 2000, holds=(), version=2))  # unsubscribed before the worker accepted
-    add(node, peer("c", 3000))
-    loop.advance(1.0)
-    assert _catchups(supervisor)[-1] == ("c", 7)
 
 
 # -- registry watcher restarts ---------------------------------------------------------------------------------------

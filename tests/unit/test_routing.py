@@ -1,0 +1,169 @@
+"""Route selection in virtual time: which origin goes over which link, when it fails over, when it moves back."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from coordinator.routing import Mode, Router
+from shared import messages
+from shared.keys import connection_key
+from tests.unit.fakeloop import VirtualTimeLoop
+from tests.unit.test_coordinator import add, connect, make_node, peer
+
+FAILOVER = 10.0
+
+
+@pytest.fixture
+def loop() -> VirtualTimeLoop:
+    loop = VirtualTimeLoop()
+    yield loop
+    loop.close()
+
+
+def make_router(loop: VirtualTimeLoop) -> tuple[Router, list[tuple[float, str]]]:
+    changes: list[tuple[float, str]] = []
+    router = Router(FAILOVER, lambda database: changes.append((loop.time(), database)), loop=loop)
+    return router, changes
+
+
+def test_each_direct_origin_comes_only_over_its_own_link(loop: VirtualTimeLoop) -> None:
+    router, changes = make_router(loop)
+    for name in ("b", "c", "d"):
+        router.track("db", name)
+        router.report("db", name, up=True, caught_up=True)
+    assert router.exclude("db", "b") == ["c", "d"]
+    assert router.exclude("db", "c") == ["b", "d"]
+    # A peer that is not a direct link (behind another node, removed, dead) is excluded nowhere.
+    assert router.exclude("db", "e") == ["b", "c", "d"]
+    assert router.exclude("other", "b") == []
+    loop.advance(100.0)
+    assert changes == []
+
+
+def test_a_link_down_fails_over_after_exactly_failover_after(loop: VirtualTimeLoop) -> None:
+    router, changes = make_router(loop)
+    for name in ("b", "c"):
+        router.track("db", name)
+        router.report("db", name, up=True, caught_up=True)
+    loop.advance_to(5.0)
+    router.report("db", "c", up=False)
+    loop.advance_to(14.999)
+    assert changes == [] and router.mode("db", "c") is Mode.DIRECT
+    loop.advance_to(15.0)
+    assert changes == [(15.0, "db")]
+    assert router.mode("db", "c") is Mode.FAILED_OVER
+    assert router.exclude("db", "b") == []  # b now carries c's writes
+    assert router.failed_over() == {"db": ["c"]}
+
+
+def test_it_moves_back_only_when_the_link_is_up_and_caught_up(loop: VirtualTimeLoop) -> None:
+    router, changes = make_router(loop)
+    for name in ("b", "c"):
+        router.track("db", name)
+        router.report("db", name, up=True, caught_up=True)
+    router.report("db", "c", up=False)
+    loop.advance_to(20.0)
+    assert changes == [(10.0, "db")]
+    router.report("db", "c", up=True)  # connected, still catching up: b keeps carrying c
+    loop.advance_to(21.0)
+    router.report("db", "c", up=True, caught_up=False)
+    assert router.exclude("db", "b") == [] and len(changes) == 1
+    loop.advance_to(22.5)
+    router.report("db", "c", up=True, caught_up=True)
+    assert changes[-1] == (22.5, "db")
+    assert router.exclude("db", "b") == ["c"]
+    assert router.failed_over() == {}
+
+
+def test_a_flap_shorter_than_failover_after_changes_nothing(loop: VirtualTimeLoop) -> None:
+    router, changes = make_router(loop)
+    router.track("db", "c")
+    router.report("db", "c", up=True, caught_up=True)
+    for start in range(0, 100, 10):
+        loop.advance_to(start + 1.0)
+        router.report("db", "c", up=False)
+        loop.advance_to(start + 9.0)
+        router.report("db", "c", up=True, caught_up=True)
+    loop.advance(100.0)
+    assert changes == []
+
+
+def test_a_link_that_never_connects_fails_over_from_when_it_was_tracked(loop: VirtualTimeLoop) -> None:
+    router, changes = make_router(loop)
+    loop.advance_to(3.0)
+    router.track("db", "c")
+    router.track("db", "c")  # tracking again changes nothing, the timer included
+    loop.advance_to(20.0)
+    assert changes == [(13.0, "db")]
+
+
+def test_forget_and_close_cancel_every_timer(loop: VirtualTimeLoop) -> None:
+    router, changes = make_router(loop)
+    router.track("db", "b")
+    router.track("db", "c")
+    router.track("db2", "c")
+    router.forget("db", "c")
+    assert changes == [(0.0, "db")]
+    assert router.exclude("db", "x") == ["b"]
+    router.close()
+    loop.advance(60.0)
+    assert changes == [(0.0, "db")]
+    assert router.mode("db", "b") is None and router.mode("db2", "c") is None
+
+
+# -- through the node: route changes become subscriptions, on the stagger ---------------------------------------------
+
+
+def _progress(view_url: str, database: str, worker: int, session: int, caught_up: bool) -> messages.Progress:
+    return messages.Progress(
+        key=connection_key(view_url),
+        database=database,
+        worker=worker,
+        session=session,
+        last_received_seq=1,
+        peer_head_seq=1,
+        lag_seconds=0.0,
+        applied=0,
+        caught_up=caught_up,
+    )
+
+
+def test_the_node_resubscribes_the_other_pairs_when_an_origin_fails_over_and_back(loop: VirtualTimeLoop) -> None:
+    node, supervisor = make_node(loop)
+    views = {name: peer(name, port) for name, port in (("b", 2000), ("c", 3000), ("d", 4000))}
+    for view in views.values():
+        add(node, view)
+    loop.advance(2.0)
+    for view in views.values():
+        entry = node.map.by_peer(view.name)
+        assert entry is not None
+        for database in ("system", "db"):
+            connect(node, view, database, worker=entry.worker, session=1)
+            node.on_worker_message(entry.worker, _progress(view.url, database, entry.worker, 1, True))
+    supervisor.sent.clear()
+    c_entry = node.map.by_peer("c")
+    assert c_entry is not None
+    node.on_worker_message(
+        c_entry.worker,
+        messages.Disconnected(key=c_entry.key, database="db", worker=c_entry.worker, session=1, reconnect_in=1.0),
+    )
+    loop.advance(FAILOVER + 2.0)
+    subs = [(t, m) for t, _, m in supervisor.of(messages.Subscribe)]
+    # b and d now carry c's writes; c's own pair keeps excluding b and d; the two dispatches keep the stagger.
+    assert sorted((m.peer, tuple(m.exclude)) for _, m in subs) == [("b", ("d",)), ("d", ("b",))]
+    times = sorted(t for t, _ in subs)
+    assert all(later - earlier >= 0.05 - 1e-9 for earlier, later in itertools.pairwise(times))
+    assert node.router.failed_over() == {"db": ["c"]}
+
+    supervisor.sent.clear()
+    connect(node, views["c"], "db", worker=c_entry.worker, session=2)
+    node.on_worker_message(c_entry.worker, _progress(views["c"].url, "db", c_entry.worker, 2, False))
+    loop.advance(5.0)
+    assert supervisor.of(messages.Subscribe) == []  # up but not caught up: the route stays
+    node.on_worker_message(c_entry.worker, _progress(views["c"].url, "db", c_entry.worker, 2, True))
+    loop.advance(5.0)
+    back = sorted((m.peer, tuple(m.exclude)) for _, _, m in supervisor.of(messages.Subscribe))
+    assert back == [("b", ("c", "d")), ("d", ("b", "c"))]
+    assert node.router.failed_over() == {}
