@@ -45,7 +45,6 @@ EXIT_BOOT_ERROR = 3
 BOOT_TIMEOUT = 60.0
 REGISTRY_POLL = 0.2
 WATCHER_HEALTHY_UPTIME = 10.0
-PRUNE_INTERVAL = 60.0
 
 
 class BootError(Exception):
@@ -94,6 +93,9 @@ class Node:
         self.recoveries: dict[str, dict[str, Any]] = {}
         self.peer_clock: dict[str, float] = {}  # peer -> its wall clock minus ours, from the last handshake
         self._registry_synced = False
+        # The views were built from a registry this node holds whole (its system database is not recovering):
+        # only then can "no peer holds this database" be believed.
+        self._registry_trusted = False
         self._dispatches = 0
         self._placements = 0
         self.reassignments = 0
@@ -318,6 +320,7 @@ class Node:
             if name != self.name:
                 self.on_node_update(views[name], event=name in changed)
         self._registry_synced = True
+        self._registry_trusted = SYSTEM not in self.recovering
         self.check_recoveries()
 
     def _direct_peers(self, database: str) -> list[str]:
@@ -479,13 +482,15 @@ class Node:
             ]
             if pairs and (waiting or not caught):
                 continue
-            if not pairs and (
-                (database != SYSTEM and SYSTEM in self.recovering)
+            if not pairs and database != SYSTEM and (
+                not self._registry_trusted
                 or any(database in view.holds for name, view in self.views.items() if name != self.name)
             ):
-                continue  # a peer holds it (or the registry that would say so is itself being recovered)
+                continue  # a peer holds it, or the registry that would say so is not whole yet
             records = self.store.database(database).finish_recovery()
             self.recovering.discard(database)
+            if database == SYSTEM:
+                self.poke_registry()  # the views are rebuilt from the whole registry before anything else flips
             self.recoveries[database] = {"state": "recovered", "at": self.wall(), "records": records}
             if caught:
                 log.info(
@@ -806,7 +811,7 @@ class Node:
 
     async def _prune_loop(self) -> None:
         while True:
-            await asyncio.sleep(PRUNE_INTERVAL)
+            await asyncio.sleep(self.config.replication.prune_interval)
             try:
                 self.prune_audit()
             except Exception as exc:

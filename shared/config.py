@@ -68,6 +68,7 @@ class ReplicationSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     # Sender flow control: batches sent and not yet acknowledged.
     window: int = 8
     audit_retention: float = 7 * 24 * 3600.0
+    prune_interval: float = 60.0  # how often the audit history is pruned
     # A direct link down this long hands its origin to the other connected peers, until it is back and caught up.
     failover_after: float = 10.0
     # Versions further ahead of this node's wall clock are refused, and so is a peer whose clock is.
@@ -236,10 +237,13 @@ def _check(config: Config, source: str) -> None:
         "heartbeat_timeout",
         "failover_after",
         "max_clock_skew",
+        "prune_interval",
     ):
         value = getattr(rep, key)
         if not math.isfinite(value) or value < 0 or (key != "stagger" and value == 0):
             fail(f"replication.{key}", f"must be a positive number of seconds, got {value}")
+    if not math.isfinite(rep.audit_retention) or rep.audit_retention < 0:
+        fail("replication.audit_retention", f"must be a number of seconds >= 0, got {rep.audit_retention}")
     if rep.shutdown_timeout <= 0:
         fail("replication.shutdown_timeout", f"must be positive, got {rep.shutdown_timeout}")
     if rep.batch_size < 1 or rep.window < 1:

@@ -7,6 +7,7 @@ running after SIGTERM is killed with its whole process group.
 from __future__ import annotations
 
 import asyncio
+import sqlite3
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -70,3 +71,30 @@ async def wait_for(predicate: Callable[[], Any], timeout: float, what: str, inte
         return await poll_until(check, timeout, lambda _: what, interval)
     except TimeoutError:
         raise AssertionError(f"timed out after {timeout} s waiting for {what}") from None
+
+
+def audit_duplicates(cluster: LocalCluster, name: str, database: str) -> list[tuple]:
+    """Entries of the node's audit log for `database` that appear more than once as (table, id, version, origin)."""
+    path = cluster[name].dir / "data" / f"{database}.sqlite"
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as conn:
+        return conn.execute(
+            "SELECT tbl, id, version, origin, count(*) FROM audit GROUP BY tbl, id, version, origin HAVING count(*) > 1"
+        ).fetchall()
+
+
+async def assert_identical(cluster: LocalCluster, databases: list[str], names: list[str] | None = None) -> None:
+    """The end of every data-plane test: equal digests on every node named, and no entry twice in any audit log."""
+    names = names or list(cluster.nodes)
+    for database in databases:
+        digests = await cluster.digests(database, names)
+        first = digests[names[0]]
+        assert first is not None and all(digests[name] == first for name in names), (database, digests)
+        for name in names:
+            assert audit_duplicates(cluster, name, database) == [], (name, database)
+
+
+async def write_many(cluster: LocalCluster, name: str, database: str, table: str, ids: list[str], value: Any) -> None:
+    """Write the records in one batch request; fails the test on anything but 200."""
+    records = [{"id": record_id, "value": value} for record_id in ids]
+    status, body = await cluster.data(name, "POST", f"/data/{database}/{table}", records)
+    assert status == 200, (name, status, body)
