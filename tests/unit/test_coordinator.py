@@ -568,3 +568,25 @@ def test_the_registry_watcher_restarts_on_the_schedule(loop: VirtualTimeLoop, tm
         task.cancel()
         loop.run(asyncio.gather(task, return_exceptions=True))
         node.store.close()
+
+
+def test_the_wedge_clock_of_a_pair_that_never_connected_starts_at_its_latest_dispatch(loop: VirtualTimeLoop) -> None:
+    """Time a pair spent wanted but not yet dispatched (a long ladder of new pairs) is the schedule's, not a
+    wedge; a pair whose setup is armed is never re-driven on top of it."""
+    node, supervisor = make_node(loop)
+    add(node, peer("b", 2000))
+    loop.advance(1.0)
+    _accept_all(node, peer("b", 2000))
+    loop.advance_to(25.0)
+    add(node, peer("b", 2000, leader=True, version=2))  # a new payload: both pairs are set up again
+    loop.advance(1.0)
+    dispatched = max(t for t, _, m in supervisor.of(messages.Subscribe))
+    assert dispatched > 25.0
+    loop.advance_to(WEDGE + 5.0)  # 35 s after the pairs were wanted, about 10 s since their dispatch
+    node.reconcile()
+    loop.advance(1.0)
+    assert node.redrives["wedge"] == 0
+    loop.advance_to(dispatched + WEDGE + 0.5)
+    node.reconcile()
+    loop.advance(1.0)
+    assert node.redrives["wedge"] == 2  # system and db, one slot each
