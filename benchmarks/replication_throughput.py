@@ -2,16 +2,18 @@
 
 (a) A's local write rate into its own store: the ceiling, measured in the same run;
 (b) the rate at which each other node applies A's records, and that rate over (a);
-(c) replication lag p50 / p99 at each other node, at a steady write rate.
+(c) replication lag p50 / p99 at each other node, at a steady write rate;
+(d) CPU per 1,000 bulk records of each node (coordinator and workers), and the records sent over each link per
+    write: figures that other work on a shared machine moves far less than it moves the rates.
 
 `--nodes 2` (the default) is the pair a, b; `--nodes 3` is the full mesh of a, b, c (LocalCluster's "mesh"
 topology), so the cost of routing shows. Writes always go to a.
 
-Times come from the stores themselves: every audit entry carries the writer's commit time (`committed_at`) and
-the record's version, which is the origin's commit time in microseconds. For A's own entries that gives when A
-wrote; for another node's entries of origin A, `committed_at - version` is the lag from A's commit to that
-node's, on one clock. Every apply still appends to the audit table, so this holds before and after replication
-by origin.
+Times come from the stores themselves: every audit entry carries the wall-clock time its node committed it
+(`committed_at`), local writes and applies alike, before and after replication by origin. A record's lag at a
+node is that node's `committed_at` minus A's for the same (table, id, version): one clock, since all nodes run
+on this machine. The version itself is not read as a time: a new database starts `recovering`, and its clock
+then runs ahead of the wall clock by up to `replication.max_clock_skew`.
 
 `--baseline REV` measures REV and this tree in the same invocation: REV is checked out into a temporary
 detached worktree (removed afterwards), and runs alternate baseline, current, baseline, current... (`--repeat`
@@ -23,7 +25,7 @@ rate stayed within 10% (issue 7).
     .venv/bin/python benchmarks/replication_throughput.py [--nodes 2] [--records 100000] [--rate 2000] [--seconds 10]
     .venv/bin/python benchmarks/replication_throughput.py --baseline af8334d [--repeat 1] [--nodes 3]
 
-Quick mode (about a minute per run on two cores): `--records 20000 --seconds 5`.
+Quick mode (about 15 s per run on two cores): `--records 20000 --seconds 5`.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import sqlite3
 import statistics
 import subprocess
@@ -41,6 +44,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 REPO = Path(__file__).resolve().parent.parent
 DATABASE = "bench"
 NAMES = "abcdefgh"
@@ -48,6 +53,8 @@ TARGET_RATIO_MIN = 0.5
 TARGET_LAG_P99_MS = 100
 # Issue 7: the apply rate may not drop by more than 10% against the baseline.
 TOLERATED_DROP = 0.10
+_SENT = re.compile(r"^replicator_records_sent_total\{([^}]*)\} (\S+)$", re.MULTILINE)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
 def _use_code(code: Path) -> type:
@@ -66,11 +73,11 @@ def _use_code(code: Path) -> type:
     return local_cluster.LocalCluster
 
 
-def _audit(path: Path, origin: str, table: str) -> list[tuple[int, float]]:
-    """(version, committed_at) of the entries of `origin` in `table`, in commit order."""
+def _audit(path: Path, origin: str, table: str) -> list[tuple[str, int, float]]:
+    """(id, version, committed_at) of the entries of `origin` in `table`, in commit order."""
     with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as conn:
         return conn.execute(
-            "SELECT version, committed_at FROM audit WHERE origin = ? AND tbl = ? ORDER BY seq", (origin, table)
+            "SELECT id, version, committed_at FROM audit WHERE origin = ? AND tbl = ? ORDER BY seq", (origin, table)
         ).fetchall()
 
 
@@ -78,6 +85,49 @@ def _tables(path: Path) -> list[str]:
     """The tables of a database file: which store schema the nodes under test ran."""
     with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as conn:
         return [name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")]
+
+
+def _cpu_seconds(cluster: Any) -> dict[str, float]:
+    """CPU time (user + system) each node's processes, coordinator and workers, have used so far."""
+    used = {}
+    for name, node in cluster.nodes.items():
+        root = psutil.Process(node.process.pid)
+        total = 0.0
+        for process in [root, *root.children(recursive=True)]:
+            try:
+                times = process.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += times.user + times.system
+        used[name] = total
+    return used
+
+
+async def _records_sent(cluster: Any) -> dict[str, int]:
+    """Records of the benchmark's database each node has sent to each peer ("a->b": n), from its /metrics."""
+    sent = {}
+    for name, node in cluster.nodes.items():
+        async with cluster.http.get(f"{node.admin_url}/metrics") as response:
+            text = await response.text()
+        for labels, value in _SENT.findall(text):
+            found = dict(_LABEL.findall(labels))
+            if found.get("database") == DATABASE:
+                sent[f"{name}->{found['peer']}"] = round(float(value))
+    return sent
+
+
+async def _settled_records_sent(cluster: Any, timeout: float = 30.0) -> dict[str, int]:
+    """`_records_sent` once the counts stop moving: workers report counters with their heartbeat (every second),
+    and a sender may still be sending records its receiver already holds after the digests agree."""
+    deadline = time.monotonic() + timeout
+    last = await _records_sent(cluster)
+    while time.monotonic() < deadline:
+        await asyncio.sleep(2.0)
+        sent = await _records_sent(cluster)
+        if sent == last:
+            break
+        last = sent
+    return last
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -139,23 +189,31 @@ async def measure(code: Path, nodes: int, records: int, rate: int, seconds: floa
             await cluster.data("a", "PUT", f"/data/{DATABASE}/warmup/w", {"ok": True})
             await cluster.wait_converged(DATABASE, timeout=60)
 
+            cpu_before = _cpu_seconds(cluster)
             await _bulk(cluster, records, batch=500, concurrency=4, value=value)
             await cluster.wait_converged(DATABASE, timeout=600)
+            cpu_after = _cpu_seconds(cluster)
             steady = await _steady(cluster, rate, seconds, value)
             await cluster.wait_converged(DATABASE, timeout=120)
+            sent = await _settled_records_sent(cluster)
         finally:
             cluster.stop()
             await cluster.close()
         files = {name: Path(folder) / name / "data" / f"{DATABASE}.sqlite" for name in names}
         written = _audit(files["a"], "a", "bulk")
         tables = _tables(files["a"])
-        first_write = written[0][1]
-        write_rate = len(written) / (written[-1][1] - first_write)
+        first_write = written[0][2]
+        write_rate = len(written) / (written[-1][2] - first_write)
+        with sqlite3.connect(f"file:{files['a']}?mode=ro", uri=True) as conn:
+            writes = conn.execute("SELECT count(*) FROM audit WHERE origin = 'a'").fetchone()[0]
+        wrote_at = {(id_, version): at for id_, version, at in _audit(files["a"], "a", "steady")}
+        # CPU per 1,000 bulk records: unlike the rates, barely moved by other work on the machine.
+        cpu_ms = {name: round((cpu_after[name] - cpu_before[name]) * 1e6 / len(written), 1) for name in names}
         per_node = {}
         for name in names[1:]:
             applied = _audit(files[name], "a", "bulk")
-            apply_rate = len(applied) / (applied[-1][1] - first_write)
-            lags = [committed - version / 1e6 for version, committed in _audit(files[name], "a", "steady")]
+            apply_rate = len(applied) / (applied[-1][2] - first_write)
+            lags = [at - wrote_at[id_, version] for id_, version, at in _audit(files[name], "a", "steady")]
             per_node[name] = {
                 "applied": len(applied),
                 "apply_rate_per_s": round(apply_rate),
@@ -163,6 +221,7 @@ async def measure(code: Path, nodes: int, records: int, rate: int, seconds: floa
                 "lag_p50_ms": round(statistics.median(lags) * 1000, 2),
                 "lag_p99_ms": round(_percentile(lags, 0.99) * 1000, 2),
                 "lag_max_ms": round(max(lags) * 1000, 2),
+                "cpu_ms_per_1k_records": cpu_ms[name],
             }
     min_ratio = min(node["ratio_over_a"] for node in per_node.values())
     worst_p99 = max(node["lag_p99_ms"] for node in per_node.values())
@@ -176,7 +235,12 @@ async def measure(code: Path, nodes: int, records: int, rate: int, seconds: floa
         "value_bytes": len(value),
         "workers_per_node": workers,
         "a_local_write_rate_per_s": round(write_rate),
+        "a_cpu_ms_per_1k_records": cpu_ms["a"],
         "per_node": per_node,
+        # Every record sent over any link, warmup and steady writes included; the floor is one copy per other
+        # node. A record sent back to its origin, or relayed to a node that already has it, is skipped there.
+        "records_sent": dict(sorted(sent.items())),
+        "records_sent_per_write": round(sum(sent.values()) / writes, 3),
         "min_apply_rate_per_s": min(node["apply_rate_per_s"] for node in per_node.values()),
         "min_ratio_over_a": min_ratio,
         "steady_rate_per_s": rate,
@@ -227,10 +291,12 @@ def _medians(runs: list[dict], names: list[str]) -> dict:
 
     return {
         "a_local_write_rate_per_s": median("a_local_write_rate_per_s"),
+        "a_cpu_ms_per_1k_records": median("a_cpu_ms_per_1k_records"),
+        "records_sent_per_write": median("records_sent_per_write"),
         "per_node": {
             name: {
                 figure: median(figure, name)
-                for figure in ("apply_rate_per_s", "ratio_over_a", "lag_p50_ms", "lag_p99_ms")
+                for figure in ("apply_rate_per_s", "ratio_over_a", "lag_p50_ms", "lag_p99_ms", "cpu_ms_per_1k_records")
             }
             for name in names
         },
@@ -248,6 +314,9 @@ def _ratios(baseline: dict, current: dict, names: list[str]) -> dict:
         "apply_rate_min": min(apply.values()),
         "lag_p50": {name: ratio("lag_p50_ms", name) for name in names},
         "lag_p99": {name: ratio("lag_p99_ms", name) for name in names},
+        "records_sent_per_write": round(current["records_sent_per_write"] / baseline["records_sent_per_write"], 3),
+        "a_cpu_per_record": round(current["a_cpu_ms_per_1k_records"] / baseline["a_cpu_ms_per_1k_records"], 3),
+        "cpu_per_record": {name: ratio("cpu_ms_per_1k_records", name) for name in names},
     }
 
 

@@ -482,9 +482,13 @@ class Node:
             ]
             if pairs and (waiting or not caught):
                 continue
-            if not pairs and database != SYSTEM and (
-                not self._registry_trusted
-                or any(database in view.holds for name, view in self.views.items() if name != self.name)
+            if (
+                not pairs
+                and database != SYSTEM
+                and (
+                    not self._registry_trusted
+                    or any(database in view.holds for name, view in self.views.items() if name != self.name)
+                )
             ):
                 continue  # a peer holds it, or the registry that would say so is not whole yet
             records = self.store.database(database).finish_recovery()

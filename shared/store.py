@@ -198,8 +198,9 @@ def _initialize(conn: sqlite3.Connection, node: str, clock_floor_us: int = 0) ->
             recovering = int(_meta(conn, "recovering") or 0)
         conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('epoch', ?)", (secrets.token_hex(16),))
         conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('hlc', 0)")
-        if clock_floor_us and recovering and (fresh or owner != node):
+        if recovering and (fresh or owner != node):
             conn.execute("UPDATE meta SET value = max(value, ?) WHERE key = 'hlc'", (clock_floor_us,))
+            conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('floor', ?)", (_meta(conn, "hlc"),))
         conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('owner', ?)", (node,))
         conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('recovering', ?)", (recovering,))
         epoch = str(_meta(conn, "epoch"))
@@ -473,14 +474,23 @@ class Database:
         """Where a new subscription resumes each origin: its complete version here (0s left out)."""
         return {origin: held.complete for origin, held in self.origins().items() if held.complete > 0}
 
-    def origin_entries(self, origin: str, after: int, limit: int) -> list[Entry]:
-        """The records (tombstones included) whose version `origin` wrote above `after`, in version order."""
+    def origin_entries(self, origin: str, after: int, limit: int, upto: int | None = None) -> list[Entry]:
+        """The records (tombstones included) whose version `origin` wrote above `after` (and at most `upto`),
+        in version order."""
         with self._lock:
             rows = self._conn.execute(
-                f"SELECT {_COLUMNS} FROM records WHERE origin = ? AND version > ? ORDER BY version LIMIT ?",
-                (origin, after, limit),
+                f"SELECT {_COLUMNS} FROM records WHERE origin = ? AND version > ? AND version <= ?"
+                " ORDER BY version LIMIT ?",
+                (origin, after, hlc.MAX_VERSION if upto is None else upto, limit),
             ).fetchall()
         return [_entry(row) for row in rows]
+
+    @property
+    def own_floor(self) -> int:
+        """The clock value this file began its own history at: every write of this node in the file is above
+        it, everything it wrote before (into a file it lost) is at most it."""
+        with self._lock:
+            return int(_meta(self._conn, "floor") or 0)
 
     @property
     def recovering(self) -> bool:

@@ -64,6 +64,9 @@ class Subscribe(msgspec.Struct, tag="subscribe", kw_only=True):
     progress: dict[str, int] = {}
     # Origins the subscriber receives over other links: the sender does not serve them on this session.
     exclude: list[str] = []
+    # The subscriber's own origin is served only up to this version (0: not at all). A node has everything it
+    # wrote into its file; only a file that lost its history (recovering) asks for its older writes back.
+    own_upto: int = 0
 
 
 class Schema(msgspec.Struct, tag="schema", kw_only=True):

@@ -56,7 +56,7 @@ class Sender:
         await frames.send(self._ws, wire.Schema(database=db.name, epoch=db.epoch, head_seq=db.last_seq()))
         reader = asyncio.get_running_loop().create_task(self._read_acks(db))
         try:
-            await self._serve(db, dict(sub.progress), frozenset(sub.exclude))
+            await self._serve(db, dict(sub.progress), frozenset(sub.exclude), {self._peer: sub.own_upto})
         finally:
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
@@ -71,6 +71,8 @@ class Sender:
                 f"subscription names {len(sub.exclude)} excluded and {len(sub.progress)} resumed origins;"
                 f" at most {MAX_ORIGINS} each"
             )
+        if not 0 <= sub.own_upto <= MAX_VERSION:
+            raise wire.ProtocolViolation(f"bad own_upto {sub.own_upto}")
         for origin, version in sub.progress.items():
             if not NAME_RE.match(origin) or not 0 <= version <= MAX_VERSION:
                 raise wire.ProtocolViolation(f"bad resume point {origin[:70]!r}: {version}")
@@ -118,10 +120,12 @@ class Sender:
             size += cost
         return chunks
 
-    async def _serve(self, db: Database, marks: dict[str, int], exclude: frozenset[str]) -> None:
+    async def _serve(
+        self, db: Database, marks: dict[str, int], exclude: frozenset[str], limits: dict[str, int]
+    ) -> None:
         """Stream every origin not excluded, from the subscriber's marks on, until the session ends."""
         feed = self._ctx.feeds.get(db.name)
-        plan = OriginPlan(marks, exclude)
+        plan = OriginPlan(marks, exclude, limits)
         told_caught_up = False
         while True:
             self._check_gone()
@@ -160,13 +164,15 @@ class OriginPlan:
     the size limit, the mark rises only to the last version sent. Records above what this node holds complete
     (a recovering origin's newest writes) are served as they come but earn no mark; if the complete version
     later rises past the mark, the origin is served again from the mark, so a version that arrived here late,
-    below one already sent, is not skipped.
+    below one already sent, is not skipped. `limits[o]` caps what is served of o (the subscriber's own origin:
+    it holds everything it wrote since its file began); a limit of 0 serves nothing of o.
     """
 
-    def __init__(self, marks: dict[str, int], exclude: frozenset[str]) -> None:
+    def __init__(self, marks: dict[str, int], exclude: frozenset[str], limits: dict[str, int] | None = None) -> None:
         self.marks = marks
         self.positions = dict(marks)
         self.exclude = exclude
+        self.limits = limits or {}
 
     def next_batch(self, db: Database, limit: int) -> tuple[list[wire.Entry], dict[str, int], bool]:
         """(entries, raised marks, more pending) for the next batch of at most `limit` entries."""
@@ -176,23 +182,28 @@ class OriginPlan:
         for origin, held in sorted(db.origins().items()):
             if origin in self.exclude:
                 continue
+            cap = self.limits.get(origin)
+            if cap == 0:
+                continue
+            complete = held.complete if cap is None else min(held.complete, cap)
+            top = held.top if cap is None else min(held.top, cap)
             mark = self.marks.get(origin, 0)
             position = self.positions.get(origin, mark)
-            if held.complete > mark and position > mark:
+            if complete > mark and position > mark:
                 position = mark
             cut_short = False
-            if held.top > position:
+            if top > position:
                 room = limit - len(entries)
                 if room <= 0:
                     more = True
                     continue
-                got = db.origin_entries(origin, position, room)
+                got = db.origin_entries(origin, position, room, upto=cap)
                 entries.extend(got)
                 if got:
                     position = got[-1].version
                 cut_short = len(got) == room
             self.positions[origin] = position
-            reach = min(position, held.complete) if cut_short else held.complete
+            reach = min(position, complete) if cut_short else complete
             more = more or cut_short
             if reach > mark:
                 self.marks[origin] = raised[origin] = reach

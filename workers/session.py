@@ -304,7 +304,12 @@ class PeerSession:
             )
         db = ctx.database(self.database, create=True)
         progress = db.progress()
-        await frames.send(ws, wire.Subscribe(database=self.database, progress=progress, exclude=self.sub.exclude))
+        # Our own writes come back only from a file that lost them, and only those made before it began.
+        own_upto = db.own_floor if db.recovering else 0
+        await frames.send(
+            ws,
+            wire.Subscribe(database=self.database, progress=progress, exclude=self.sub.exclude, own_upto=own_upto),
+        )
         schema = await frames.expect(ws, wire.Schema, HANDSHAKE_TIMEOUT)
         # The schedule starts over only once the peer has taken the subscription: a session refused at the
         # handshake keeps backing off.

@@ -422,3 +422,19 @@ def test_random_interleavings_keep_every_promise(
                 assert pair.receiver.digest() == sender.digest()
         finally:
             pair.close()
+
+
+def test_the_subscribers_own_origin_is_served_only_up_to_its_limit(pair: Pair, clock: FakeClock) -> None:
+    """A subscriber never gets its own writes echoed back (limit 0); a recovering one asks for those made before
+    its file began (limit = its floor), and its marks never claim more than that."""
+    fill(pair, clock)
+    sync(OriginPlan({}, NOTHING, {"c": 0}), pair, 3)
+    assert "c" not in pair.receiver.origins()
+    assert all(e.origin != "c" for e in held(pair.receiver).values())
+
+    c_versions = sorted(e.version for e in held(pair.sender).values() if e.origin == "c")
+    floor = c_versions[1]
+    batches = sync(OriginPlan(pair.receiver.progress(), NOTHING, {"c": floor}), pair, 1)
+    served = [e for entries, _, _ in batches for e in entries if e.origin == "c"]
+    assert [e.version for e in served] == c_versions[:2]
+    assert pair.receiver.progress()["c"] == floor
