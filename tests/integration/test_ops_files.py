@@ -50,6 +50,11 @@ EXPORTED: dict[str, frozenset[str]] = {
     "replicator_worker_rss_bytes": frozenset({"worker"}),
     "replicator_log_events_suppressed_total": frozenset({"event"}),
     "replicator_records_written_total": frozenset({"database"}),
+    # Issue 7: routing, recovery and clocks.
+    "replicator_origins_failed_over": frozenset({"database"}),
+    "replicator_databases_recovering": frozenset(),
+    "replicator_clock_skew_refusals_total": frozenset({"peer"}),
+    "replicator_peer_clock_offset_seconds": frozenset({"peer"}),
 }
 # Labels Prometheus attaches to every series of a target (prometheus.yml gives each target its `node`).
 TARGET_LABELS = frozenset({"job", "instance", "node"})
@@ -399,6 +404,35 @@ SCENARIOS = [
     scenario(
         [series(RSS, "60000000+3000000x30 150000000x210", worker="0")],
         quiet("4h", "ReplicatorWorkerMemoryGrowth"),
+    ),
+    scenario(
+        [series("replicator_origins_failed_over", "0 1x30", database="orders")],
+        quiet("10m", "ReplicatorOriginFailedOver"),
+        fires("20m", "ReplicatorOriginFailedOver", "warning", database="orders"),
+    ),
+    # A link down for a few minutes fails over and back: no page.
+    scenario(
+        [series("replicator_origins_failed_over", "0 1x5 0x30", database="orders")],
+        quiet("20m", "ReplicatorOriginFailedOver"),
+    ),
+    scenario(
+        [series("replicator_databases_recovering", "1x60")],
+        quiet("20m", "ReplicatorDatabaseRecovering"),
+        fires("40m", "ReplicatorDatabaseRecovering", "warning"),
+    ),
+    scenario(
+        [series("replicator_databases_recovering", "1x5 0x60")],
+        quiet("40m", "ReplicatorDatabaseRecovering"),
+    ),
+    # One refusal every minute: the peer's clock stays ahead.
+    scenario(
+        [series("replicator_clock_skew_refusals_total", "0+1x40", peer="b")],
+        quiet("5m", "ReplicatorClockSkew"),
+        fires("25m", "ReplicatorClockSkew", "warning", peer="b"),
+    ),
+    scenario(
+        [series("replicator_clock_skew_refusals_total", "0 1 2 2x40", peer="b")],
+        quiet("30m", "ReplicatorClockSkew"),
     ),
 ]
 
