@@ -92,6 +92,8 @@ class Node:
         self.recovering: set[str] = set()
         self.recoveries: dict[str, dict[str, Any]] = {}
         self.peer_clock: dict[str, float] = {}  # peer -> its wall clock minus ours, from the last handshake
+        self.regressions: dict[str, int] = {}  # database -> the floor of its latest regression (see Database.regress)
+        self.regressed_at: dict[str, float] = {}  # only sessions connected after it count for that recovery
         self._registry_synced = False
         # The views were built from a registry this node holds whole (its system database is not recovering):
         # only then can "no peer holds this database" be believed.
@@ -358,7 +360,13 @@ class Node:
         exclude = self.router.exclude(database, view.name)
         # Leadership comes from the latest node state on every update, never from a cached flag.
         return messages.Subscribe(
-            key=key, peer=view.name, url=view.url, database=database, exclude=exclude, leader=view.leader
+            key=key,
+            peer=view.name,
+            url=view.url,
+            database=database,
+            exclude=exclude,
+            leader=view.leader,
+            recovery=self.regressions.get(database, 0),
         )
 
     def on_database(self, view: NodeView, database: str, event: bool = True) -> None:
@@ -440,6 +448,10 @@ class Node:
     def _on_route_change(self, database: str) -> None:
         """An origin of `database` moved between its direct link and the other pairs: every pair of the database
         whose exclusions changed is set up again, on the ladder (stagger spacing)."""
+        self._refresh_payloads(database, "route_changed")
+
+    def _refresh_payloads(self, database: str, event: str) -> None:
+        """Set up again, on the ladder, every pair of `database` whose subscription changed."""
         if self._closing:
             return
         for entry in list(self.map):
@@ -451,7 +463,7 @@ class Node:
             if _setup_fields(payload) == _setup_fields(pair.payload):
                 continue
             pair.payload = payload
-            log.info("route_changed", peer=entry.peer, database=database, exclude=payload.exclude)
+            log.info(event, peer=entry.peer, database=database, exclude=payload.exclude)
             if not self.scheduler.schedule(entry.url, database, payload, sweep=self.ladder):
                 self.scheduler.refresh_pending(entry.url, database, payload)
 
@@ -473,12 +485,16 @@ class Node:
         patience = self.config.replication.failover_after
         for database in sorted(self.recovering, key=lambda name: (name != SYSTEM, name)):
             pairs = [entry.pairs[database] for entry in self.map if database in entry.pairs]
-            caught = [pair for pair in pairs if pair.connected and pair.caught_up]
+            since = self.regressed_at.get(database, float("-inf"))
+
+            def served(pair: PairState, since: float = since) -> bool:
+                return pair.connected and pair.caught_up and (pair.connected_at or 0.0) >= since
+
+            caught = [pair for pair in pairs if served(pair)]
             waiting = [
                 pair
                 for pair in pairs
-                if not (pair.connected and pair.caught_up)
-                and (pair.connected or now - (pair.disconnected_at or pair.created_at) < patience)
+                if not served(pair) and (pair.connected or now - (pair.disconnected_at or pair.created_at) < patience)
             ]
             if pairs and (waiting or not caught):
                 continue
@@ -567,6 +583,13 @@ class Node:
                 self._on_progress(message, now)
             case messages.PeerClock(peer=peer, offset_seconds=offset):
                 self.peer_clock[peer] = offset
+            case messages.DatabaseRegressed(name=name, floor=floor):
+                if floor > self.regressions.get(name, 0):
+                    self.regressions[name] = floor
+                    self._note_database(name)
+                    self.regressed_at[name] = now
+                    # Every pair of the database subscribes again, on the ladder, asking for our own writes back.
+                    self._refresh_payloads(name, "resubscribed")
             case messages.DatabaseOpened(name=name):
                 if name not in self.holds:
                     self.holds.add(name)
@@ -868,7 +891,7 @@ class Node:
 
 
 def _setup_fields(payload: messages.Subscribe) -> tuple[Any, ...]:
-    return (payload.url, tuple(payload.exclude), payload.leader)
+    return (payload.url, tuple(payload.exclude), payload.leader, payload.recovery)
 
 
 def _probe_port(host: str, port: int) -> None:

@@ -39,6 +39,9 @@ class Subscribe(msgspec.Struct, tag="subscribe", kw_only=True):
     database: str
     exclude: list[str] = []  # origins this pair does not carry: they come over other links (routing)
     leader: bool = False
+    # Raised when the database's file is found to have gone back in time: the session subscribes again, to ask
+    # for this node's own writes back.
+    recovery: int = 0
     dispatch: int = 0  # the coordinator's dispatch number, echoed in SubscribeAccepted
 
 
@@ -136,6 +139,12 @@ class DatabaseOpened(msgspec.Struct, tag="database_opened", kw_only=True):
     name: str
 
 
+class DatabaseRegressed(msgspec.Struct, tag="database_regressed", kw_only=True):
+    name: str
+    peer: str  # the peer whose subscription showed it
+    floor: int  # the own version the peer holds complete, above what the file has
+
+
 ToCoordinator = (
     Ready
     | BootFailed
@@ -146,6 +155,7 @@ ToCoordinator = (
     | Progress
     | PeerClock
     | DatabaseOpened
+    | DatabaseRegressed
 )
 
 _encoder = msgspec.msgpack.Encoder()

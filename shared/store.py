@@ -21,9 +21,10 @@ wrote up to that version, or a newer version of the same record. It only ever ri
 transaction that applies what justifies it (a sender's mark, see `apply_batch`). A sender serves an origin
 from the records table in version order (index `records_by_origin`), so what it serves never depends on how
 much of the audit log is kept: pruning the log cannot make anyone skip a write. The owner's own origin is
-complete up to the clock, except in a file that is `recovering`: one this node did not build from its own
-writes (a new, empty or lost file, or another node's file); there the own origin counts only what peers have
-confirmed, until the coordinator sees the peers have served it (`finish_recovery`).
+complete up to its newest write in the file, except in a file that is `recovering`: one this node did not
+build from its own writes (a new, empty or lost file, another node's file, or one a peer shows went back in
+time: `regress`); there the own origin counts only what peers have confirmed, until the coordinator sees the
+peers have served it (`finish_recovery`).
 """
 
 from __future__ import annotations
@@ -168,8 +169,8 @@ def _initialize(conn: sqlite3.Connection, node: str, clock_floor_us: int = 0) ->
     A file without an epoch is new (or empty): nothing in it is this node's own history, so it starts
     `recovering`. A file of an earlier version (an epoch but no owner) is taken as intact; its origins start
     at 0, so peers re-send what it holds once and fill any gap. A file another node owned (copied in, or
-    restored from that node's backup) is adopted: its owner's writes are complete up to its clock unless it
-    was itself recovering, and ours start recovering.
+    restored from that node's backup) is adopted: its owner's writes are complete up to its newest one in the
+    file unless it was itself recovering, and ours start recovering.
 
     A recovering file's clock starts at `clock_floor_us`, the wall clock plus max_clock_skew: every version
     this node wrote before it lost the file was at most that far ahead, so the writes it makes now are above
@@ -192,7 +193,8 @@ def _initialize(conn: sqlite3.Connection, node: str, clock_floor_us: int = 0) ->
             recovering = 1 if fresh else 0
         elif owner != node:
             if not _meta(conn, "recovering"):
-                conn.execute(_RAISE_COMPLETE, (owner, int(_meta(conn, "hlc") or 0)))
+                row = conn.execute("SELECT top FROM origins WHERE origin = ?", (owner,)).fetchone()
+                conn.execute(_RAISE_COMPLETE, (owner, int(row[0]) if row is not None else 0))
             recovering = 1
         else:
             recovering = int(_meta(conn, "recovering") or 0)
@@ -463,11 +465,13 @@ class Database:
         """What this file holds of each origin it has heard of, its owner's own origin included."""
         with self._read() as conn:
             rows = conn.execute("SELECT origin, complete, top FROM origins").fetchall()
-            own_complete = self._clock_value(conn) if not _meta(conn, "recovering") else None
+            intact = not _meta(conn, "recovering")
         held = {origin: Origin(complete=complete, top=top) for origin, complete, top in rows}
-        if own_complete is not None:
-            own = held.get(self._node, Origin())
-            held[self._node] = Origin(complete=max(own.complete, own_complete), top=own.top)
+        own = held.get(self._node)
+        if intact and own is not None:
+            # Every write of ours is in the file: complete up to the newest. Not the clock, which other origins'
+            # versions move: a peer holding more than our newest write shows our file went back in time.
+            held[self._node] = Origin(complete=max(own.complete, own.top), top=own.top)
         return held
 
     def progress(self) -> dict[str, int]:
@@ -498,8 +502,27 @@ class Database:
         with self._lock:
             return bool(_meta(self._conn, "recovering"))
 
+    def regress(self, claimed: int) -> bool:
+        """A peer holds this node's own writes complete up to `claimed`, above anything this file has: the file
+        went back in time (restored from an older backup of this node). It starts recovering with its floor
+        there: the clock moves past `claimed`, so new writes are above what peers hold, and the subscriptions ask
+        for the own writes up to it. True when the floor rose (the subscriptions must ask again)."""
+        with self._write() as conn:
+            clock = self._clock_value(conn)
+            floor = int(_meta(conn, "floor") or 0)
+            recovering = bool(_meta(conn, "recovering"))
+            row = conn.execute("SELECT top FROM origins WHERE origin = ?", (self._node,)).fetchone()
+            newest = int(row[0]) if row is not None else 0
+            if claimed <= (floor if recovering else newest):
+                return False
+            conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('recovering', 1)")
+            conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('floor', ?)", (max(floor, claimed),))
+            if claimed > clock:
+                self._set_clock(conn, claimed)
+            return True
+
     def finish_recovery(self) -> int:
-        """The peers have served this node's own writes back: the own origin is complete up to the clock
+        """The peers have served this node's own writes back: the own origin is complete up to its newest write
         again. Returns the number of live records the file holds."""
         with self._write() as conn:
             conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('recovering', 0)")

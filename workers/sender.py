@@ -13,9 +13,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from shared import wire
+from shared import messages, wire
 from shared.config import NAME_RE
 from shared.hlc import MAX_VERSION
+from shared.logs import log
 from shared.store import Database
 from workers import frames
 from workers.context import WorkerContext
@@ -53,6 +54,7 @@ class Sender:
         )
         sub = await frames.expect(self._ws, wire.Subscribe, HANDSHAKE_TIMEOUT)
         db = self._open(sub)
+        self._check_regression(db, sub.progress.get(self._ctx.node, 0))
         await frames.send(self._ws, wire.Schema(database=db.name, epoch=db.epoch, head_seq=db.last_seq()))
         reader = asyncio.get_running_loop().create_task(self._read_acks(db))
         try:
@@ -78,6 +80,17 @@ class Sender:
                 raise wire.ProtocolViolation(f"bad resume point {origin[:70]!r}: {version}")
         self._database = sub.database
         return self._ctx.database(sub.database, create=True)
+
+    def _check_regression(self, db: Database, claimed: int) -> None:
+        """The subscriber holds our own writes up to `claimed`; above our clock, our file went back in time."""
+        if claimed <= 0:
+            return
+        ceiling = int((self._ctx.wall() + self._settings.max_clock_skew) * 1_000_000)
+        if claimed > ceiling:
+            return  # no peer can hold a write of ours from the future: a lie, or its clock, not our file
+        if db.regress(claimed):
+            log.warning("database_regressed", peer=self._peer, database=db.name, floor=claimed)
+            self._ctx.report(messages.DatabaseRegressed(name=db.name, peer=self._peer, floor=claimed))
 
     async def _read_acks(self, db: Database) -> None:
         try:

@@ -117,7 +117,11 @@ class PeerSession:
     def update(self, sub: messages.Subscribe) -> bool:
         """Take a newer subscribe for the same pair; True when it needs a new session to take effect (a new
         route resumes from the origins' complete versions, so nothing is skipped or lost by the move)."""
-        reconnect = sub.url != self.sub.url or sorted(sub.exclude) != sorted(self.sub.exclude)
+        reconnect = (
+            sub.url != self.sub.url
+            or sorted(sub.exclude) != sorted(self.sub.exclude)
+            or sub.recovery != self.sub.recovery
+        )
         self.sub = sub
         if reconnect:
             self.force_reconnect(None, "subscription changed")

@@ -99,3 +99,41 @@ async def test_a_first_sync_under_writes_and_aggressive_pruning_skips_nothing(ma
         await assert_identical(cluster, [DATABASE])
     finally:
         await cluster.close()
+
+
+async def test_a_data_directory_restored_from_an_old_backup_gets_the_newer_own_writes_back(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    cluster = make_cluster(["a", "b"], workers=1, replication={**FAST, "failover_after": 2.0})
+    cluster.start()
+    try:
+        await cluster.wait_ready()
+        await write_many(cluster, "b", DATABASE, "t", [f"old-{i}" for i in range(100)], {"by": "b"})
+        await cluster.wait_converged(DATABASE, timeout=60, expect_count=100)
+        assert cluster["b"].stop() == 0
+        backup = cluster["b"].dir / "backup"
+        shutil.copytree(cluster["b"].dir / "data", backup)
+        cluster["b"].start()
+        await cluster.wait_ready(["b"])
+        # Written after the backup was taken: only a holds them once b's file goes back in time.
+        await write_many(cluster, "b", DATABASE, "t", [f"new-{i}" for i in range(100)], {"by": "b"})
+        await cluster.wait_converged(DATABASE, timeout=60, expect_count=200)
+
+        assert cluster["b"].stop() == 0
+        shutil.rmtree(cluster["b"].dir / "data")
+        shutil.copytree(backup, cluster["b"].dir / "data")
+        cluster["b"].start()
+        await cluster.wait_ready(["b"])
+        await cluster.wait_converged(DATABASE, timeout=60, expect_count=200)
+        regressed = [e for e in cluster["b"].events("database_regressed") if e["database"] == DATABASE]
+        assert regressed and regressed[0]["peer"] == "a"
+        # New writes on b are above everything a already holds of b, so they replicate as usual.
+        await write_many(cluster, "b", DATABASE, "t", ["after-restore"], {"by": "b"})
+        await cluster.wait_converged(DATABASE, timeout=30, expect_count=201)
+
+        async def recovered() -> bool:
+            _, body = await cluster.admin("b", "/status")
+            return body["recovery"].get(DATABASE, {}).get("state") == "recovered"
+
+        await wait_for(recovered, 60, "b's recovery after the restore finished")
+        await assert_identical(cluster, [DATABASE])
+    finally:
+        await cluster.close()

@@ -336,18 +336,32 @@ def test_own_complete_is_the_stored_value_while_recovering(db: Database) -> None
     assert db.progress() == {"a": 5}
 
 
-def test_own_complete_follows_the_clock_when_not_recovering(db: Database, clock: FakeClock) -> None:
+def test_own_complete_follows_the_newest_own_write_when_not_recovering(db: Database, clock: FakeClock) -> None:
     db.finish_recovery()
-    assert completes(db) == {"a": 0}  # nothing written or received yet: the clock is 0
+    assert completes(db) == {}  # nothing written yet
     mine = db.put("t", "x", b"")
     assert db.origins()["a"] == Origin(complete=mine, top=mine)
-    # Receiving a later version moves the clock, and with it what this node holds of itself.
+    # Receiving a later version moves the clock but not what this node holds of itself: a peer that holds more
+    # of our writes than our newest shows that our file went back in time (see regress).
     db.apply_batch([rec("y", mine + 1000, "b")])
-    assert db.origins()["a"] == Origin(complete=mine + 1000, top=mine)
-    assert db.progress() == {"a": mine + 1000}
-    # A mark above the clock is kept too.
+    assert db.origins()["a"] == Origin(complete=mine, top=mine)
+    assert db.progress() == {"a": mine}
+    # A mark above it is kept.
     db.apply_batch([], {"a": mine + 5000})
     assert completes(db)["a"] == mine + 5000
+
+
+def test_a_peer_holding_more_of_our_writes_than_the_file_means_it_went_back_in_time(
+    db: Database, clock: FakeClock
+) -> None:
+    db.finish_recovery()
+    mine = db.put("t", "x", b"")
+    assert not db.regress(mine)  # what we hold: nothing to do
+    assert db.regress(mine + 50)
+    assert db.recovering and db.own_floor == mine + 50
+    assert db.put("t", "y", b"") > mine + 50  # new writes are above what the peer holds
+    assert not db.regress(mine + 10)  # at or below the floor: already asked for
+    assert db.regress(mine + 80) and db.own_floor == mine + 80
 
 
 def test_finish_recovery_counts_live_records(db: Database) -> None:
@@ -358,7 +372,7 @@ def test_finish_recovery_counts_live_records(db: Database) -> None:
     assert db.recovering and completes(db)["a"] == 0
     assert db.finish_recovery() == 4  # x, z, w and p; the tombstones are not records
     assert not db.recovering
-    assert completes(db) == {"a": int(meta(db, "hlc")), "b": 6}
+    assert completes(db) == {"a": tops(db)["a"], "b": 6}
     assert db.finish_recovery() == 4
 
 
