@@ -92,6 +92,11 @@ def render_status(body: dict[str, Any]) -> str:
         if rows
         else "no peers"
     )
+    for database, origins in sorted((body.get("failed_over") or {}).items()):
+        lines.append(f"failed over: {database} receives {', '.join(origins)} through other peers (direct link down)")
+    for database, state in sorted((body.get("recovery") or {}).items()):
+        if state.get("state") == "recovering":
+            lines.append(f"recovering: {database} waits for its peers to serve this node's own writes back")
     return "\n".join(lines)
 
 
