@@ -53,6 +53,8 @@ async def test_a_wiped_data_directory_is_recovered_own_records_included(make_clu
         # Writes after the recovery carry on as usual.
         await write_many(cluster, "c", DATABASE, "t", ["c-later"], {"by": "c"})
         await cluster.wait_converged(DATABASE, timeout=30, expect_count=901)
+        # Each node rewrites its own registry row as it opens databases: wait for the last rewrite to arrive.
+        await cluster.wait_converged("system", timeout=30)
         await assert_identical(cluster, [DATABASE, "other", "system"])
     finally:
         await cluster.close()
