@@ -463,7 +463,8 @@ class Node:
             if _setup_fields(payload) == _setup_fields(pair.payload):
                 continue
             pair.payload = payload
-            log.info(event, peer=entry.peer, database=database, exclude=payload.exclude)
+            if pair.dispatched_at is not None:  # a subscription in use changes (not one still being set up)
+                log.info(event, peer=entry.peer, database=database, exclude=payload.exclude)
             if not self.scheduler.schedule(entry.url, database, payload, sweep=self.ladder):
                 self.scheduler.refresh_pending(entry.url, database, payload)
 
