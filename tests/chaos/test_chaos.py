@@ -1,4 +1,5 @@
-"""Chaos: writes on every node while workers and whole nodes are killed and restarted at random.
+"""Chaos: writes on every node while workers and whole nodes are killed, frozen and restarted, and links are cut
+and healed, at random.
 
 At the end every acknowledged write is on every node, none was applied twice, and the cluster agrees. The CI-sized
 run takes about half a minute; `REPLICATOR_STRESS=1` runs it for `REPLICATOR_STRESS_SECONDS` (default 600) and
@@ -20,10 +21,12 @@ import pytest
 
 from coordinator.local_cluster import LocalCluster
 from tests.integration.conftest import wait_for
+from tests.integration.proxy import LinkProxy
 
 STRESS = os.environ.get("REPLICATOR_STRESS") == "1"
 SECONDS = float(os.environ.get("REPLICATOR_STRESS_SECONDS", "600")) if STRESS else 20.0
 NAMES = ["a", "b", "c"]
+LINKS = [("a", "b"), ("b", "c"), ("a", "c")]
 
 
 def _duplicates(path: Path) -> int:
@@ -44,7 +47,14 @@ async def test_chaos_keeps_every_acknowledged_write(tmp_path: Path) -> None:
         tmp_path,
         NAMES,
         workers=2,
-        replication={"reconcile_interval": 1.0, "wedge_threshold": 5.0, "shutdown_timeout": 8.0},
+        replication={
+            "reconcile_interval": 1.0,
+            "wedge_threshold": 5.0,
+            "shutdown_timeout": 8.0,
+            "failover_after": 2.0,
+        },
+        proxied=LINKS,
+        proxy_factory=LinkProxy,
     )
     cluster.prepare()
     cluster.start()
@@ -73,10 +83,24 @@ async def test_chaos_keeps_every_acknowledged_write(tmp_path: Path) -> None:
         if live:
             psutil.Process(rng.choice(live)["pid"]).send_signal(signal.SIGKILL)
 
+    cut: set[tuple[str, str]] = set()
+
     async def chaos() -> None:
         end = time.monotonic() + SECONDS
         while time.monotonic() < end:
             await asyncio.sleep(rng.uniform(1.0, 3.0))
+            if rng.random() < 0.35:
+                # A link: cut one that is up (TLS host checks stay on through the proxy), or heal one that is cut.
+                link = rng.choice(LINKS)
+                if link in cut:
+                    cluster.proxy(*link).heal()
+                    cut.discard(link)
+                    actions.append(f"heal {link[0]}-{link[1]}")
+                else:
+                    cluster.proxy(*link).cut()
+                    cut.add(link)
+                    actions.append(f"cut {link[0]}-{link[1]}")
+                continue
             name = rng.choice(NAMES)
             node = cluster[name]
             if not node.running:
@@ -85,7 +109,16 @@ async def test_chaos_keeps_every_acknowledged_write(tmp_path: Path) -> None:
                 continue
             choice = rng.random()
             try:
-                if choice < 0.5:
+                if choice < 0.15:
+                    # Frozen whole, coordinator and workers: its peers see a mute link, then it wakes up.
+                    group = [psutil.Process(node.process.pid), *psutil.Process(node.process.pid).children()]
+                    for process in group:
+                        process.suspend()
+                    await asyncio.sleep(rng.uniform(0.5, 3.0))
+                    for process in group:
+                        process.resume()
+                    actions.append(f"SIGSTOP/SIGCONT {name}")
+                elif choice < 0.5:
                     await kill_a_worker(name)
                     actions.append(f"kill a worker of {name}")
                 elif choice < 0.75:
@@ -103,6 +136,8 @@ async def test_chaos_keeps_every_acknowledged_write(tmp_path: Path) -> None:
         await cluster.wait_ready()
         writers = [asyncio.create_task(writer(name)) for name in NAMES]
         await chaos()
+        for link in sorted(cut):
+            cluster.proxy(*link).heal()
         for node in cluster.nodes.values():
             if not node.running:
                 node.start()

@@ -66,7 +66,7 @@ class LinkProxy:
         self._closed = False
         self._forwards: dict[asyncio.Task[None], _Forward] = {}
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=f"link-proxy->{target_port}", daemon=True)
+        self._thread = threading.Thread(target=self._run_loop, name=f"link-proxy->{target_port}", daemon=True)
         self._thread.start()
         try:
             self._server = self._call(asyncio.start_server(self._handle, HOST, port))
@@ -172,13 +172,19 @@ class LinkProxy:
             future.cancel()
             raise TimeoutError(f"{self!r} did not answer within {CALL_TIMEOUT} s") from None
 
+    def _run_loop(self) -> None:
+        """The proxy's thread: its loop runs until stopped, then is finished and closed here, in its own thread
+        (the caller may be inside a running loop of its own, where run_until_complete is not allowed)."""
+        try:
+            self._loop.run_forever()
+        finally:
+            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+            self._loop.close()
+
     def _stop_loop(self) -> None:
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(CALL_TIMEOUT)
-        if not self._thread.is_alive():
-            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
-            self._loop.close()
 
 
 async def _pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter, forward: _Forward) -> None:
