@@ -18,28 +18,11 @@ from hypothesis import strategies as st
 
 from shared.store import Database, Store
 from shared.wire import Entry
+from tests.unit.test_store import FakeClock
 from workers.sender import OriginPlan
 
-T0 = 1_700_000_000.0
 EVERYTHING = 1_000_000
 NOTHING: frozenset[str] = frozenset()
-
-
-class FakeClock:
-    """A wall clock in nanoseconds that moves only when told to."""
-
-    def __init__(self, seconds: float = T0) -> None:
-        self.ns = int(seconds * 1e9)
-
-    def __call__(self) -> int:
-        return self.ns
-
-    def advance(self, seconds: float) -> None:
-        self.ns += int(seconds * 1e9)
-
-    @property
-    def us(self) -> int:
-        return self.ns // 1000
 
 
 @dataclass
