@@ -49,6 +49,10 @@ class Sender:
             raise wire.Refused(f"Hello names {hello.node!r} but the certificate names {self._peer!r}")
         if hello.protocol != wire.PROTOCOL_VERSION:
             raise wire.Refused(f"protocol {hello.protocol} is not spoken here ({wire.PROTOCOL_VERSION})")
+        if hello.wall:
+            # Both ends see the offset before any data moves; only the subscriber refuses (it is the one applying).
+            offset = round(hello.wall - self._ctx.wall(), 6)
+            self._ctx.report(messages.PeerClock(peer=self._peer, offset_seconds=offset))
         await frames.send(
             self._ws, wire.Hello(node=self._ctx.node, capabilities=wire.CAPABILITIES, wall=self._ctx.wall())
         )
