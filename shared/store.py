@@ -507,19 +507,27 @@ class Database:
         went back in time (restored from an older backup of this node). It starts recovering with its floor
         there: the clock moves past `claimed`, so new writes are above what peers hold, and the subscriptions ask
         for the own writes up to it. True when the floor rose (the subscriptions must ask again)."""
-        with self._write() as conn:
-            clock = self._clock_value(conn)
-            floor = int(_meta(conn, "floor") or 0)
-            recovering = bool(_meta(conn, "recovering"))
-            row = conn.execute("SELECT top FROM origins WHERE origin = ?", (self._node,)).fetchone()
-            newest = int(row[0]) if row is not None else 0
-            if claimed <= (floor if recovering else newest):
+        # Every inbound subscription asks; almost always the answer is no, and a read answers it without taking
+        # the write lock. The write transaction asks again, since another process may have moved first.
+        with self._read() as conn:
+            if not self._behind(conn, claimed):
                 return False
+        with self._write() as conn:
+            if not self._behind(conn, claimed):
+                return False
+            floor = int(_meta(conn, "floor") or 0)
             conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('recovering', 1)")
             conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('floor', ?)", (max(floor, claimed),))
-            if claimed > clock:
+            if claimed > self._clock_value(conn):
                 self._set_clock(conn, claimed)
             return True
+
+    def _behind(self, conn: sqlite3.Connection, claimed: int) -> bool:
+        """Does a peer holding our own writes complete up to `claimed` hold more than this file accounts for?"""
+        if _meta(conn, "recovering"):
+            return claimed > int(_meta(conn, "floor") or 0)
+        row = conn.execute("SELECT top FROM origins WHERE origin = ?", (self._node,)).fetchone()
+        return claimed > (int(row[0]) if row is not None else 0)
 
     def finish_recovery(self) -> int:
         """The peers have served this node's own writes back: the own origin is complete up to its newest write
