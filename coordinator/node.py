@@ -308,7 +308,7 @@ class Node:
 
     def sync_registry(self, system: Database) -> None:
         rows = read_nodes(system)
-        versions = {entry.id: entry.version for entry in system.scan("nodes", None, 100_000)}
+        versions = {entry.id: entry.version for entry in system.scan("nodes", None, 100_000, skip_damaged=True)}
         own = rows.get(self.name)
         if own is None or own.url != self.config.node.url or sorted(own.holds) != sorted(self.holds):
             self._write_own_row(system)

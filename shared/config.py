@@ -73,6 +73,11 @@ class ReplicationSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     failover_after: float = 10.0
     # Versions further ahead of this node's wall clock are refused, and so is a peer whose clock is.
     max_clock_skew: float = 60.0
+    # Anti-entropy: each (peer, database) compares digests about this often (a jittered draw of [0.5, 1) x it).
+    antientropy_interval: float = 600.0
+    # Records per second a round may repair, and rows per second the scrub verifies: a small share of a worker.
+    antientropy_rate: float = 2000.0
+    scrub_rate: float = 20000.0
     # Peer host names pinned to addresses, checked before DNS; resolve = "hosts" consults nothing else.
     hosts: dict[str, str] = msgspec.field(default_factory=dict)
     resolve: Literal["system", "hosts"] = "system"
@@ -238,10 +243,14 @@ def _check(config: Config, source: str) -> None:
         "failover_after",
         "max_clock_skew",
         "prune_interval",
+        "antientropy_interval",
+        "antientropy_rate",
+        "scrub_rate",
     ):
         value = getattr(rep, key)
         if not math.isfinite(value) or value < 0 or (key != "stagger" and value == 0):
-            fail(f"replication.{key}", f"must be a positive number of seconds, got {value}")
+            unit = "per second" if key.endswith("rate") else "of seconds"
+            fail(f"replication.{key}", f"must be a positive number {unit}, got {value}")
     if not math.isfinite(rep.audit_retention) or rep.audit_retention < 0:
         fail("replication.audit_retention", f"must be a number of seconds >= 0, got {rep.audit_retention}")
     if rep.shutdown_timeout <= 0:

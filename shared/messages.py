@@ -58,6 +58,14 @@ class ForceReconnect(msgspec.Struct, tag="force_reconnect", kw_only=True):
     reason: str = ""
 
 
+class AntiEntropy(msgspec.Struct, tag="antientropy", kw_only=True):
+    """Run one anti-entropy round of a pair now: compare digests with the peer and pull what differs."""
+
+    key: str
+    database: str
+    round: int  # the coordinator's round number, echoed in AntiEntropyDone
+
+
 class Reconfigure(msgspec.Struct, tag="reconfigure", kw_only=True):
     config: bytes  # shared.config.encode(Config)
 
@@ -66,7 +74,7 @@ class Shutdown(msgspec.Struct, tag="shutdown", kw_only=True):
     deadline: float  # seconds the worker has to drain
 
 
-ToWorker = Subscribe | Unsubscribe | ForceReconnect | Reconfigure | Shutdown
+ToWorker = Subscribe | Unsubscribe | ForceReconnect | AntiEntropy | Reconfigure | Shutdown
 
 
 # -- worker -> coordinator -------------------------------------------------------------------------------------
@@ -145,6 +153,19 @@ class DatabaseRegressed(msgspec.Struct, tag="database_regressed", kw_only=True):
     floor: int  # the own version the peer holds complete, above what the file has
 
 
+class AntiEntropyDone(msgspec.Struct, tag="antientropy_done", kw_only=True):
+    key: str
+    database: str
+    round: int
+    peer: str
+    buckets_compared: int = 0  # tree nodes compared, over every level and table
+    divergent_buckets: int = 0  # stored buckets (level 3) that differed
+    repaired: int = 0  # records this node changed: pulled, or damaged ones removed
+    bytes_exchanged: int = 0  # request and reply bodies
+    seconds: float = 0.0
+    error: str = ""  # the round did not finish: why
+
+
 ToCoordinator = (
     Ready
     | BootFailed
@@ -156,6 +177,7 @@ ToCoordinator = (
     | PeerClock
     | DatabaseOpened
     | DatabaseRegressed
+    | AntiEntropyDone
 )
 
 _encoder = msgspec.msgpack.Encoder()

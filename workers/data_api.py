@@ -14,7 +14,7 @@ import msgspec
 from aiohttp import web
 
 from shared.config import NAME_RE
-from shared.store import BadName, Database, UnknownDatabase
+from shared.store import BadName, DamagedRecord, Database, UnknownDatabase
 from shared.wire import Entry
 from workers.context import SYSTEM, WorkerContext
 
@@ -71,6 +71,12 @@ class DataApi:
                 return _error(400, str(exc))
             except UnknownDatabase as exc:
                 return _error(404, str(exc))
+            except DamagedRecord as exc:
+                # Never the damaged bytes: the error names the record, and a peer's copy replaces it.
+                interval = self._ctx.config.replication.antientropy_interval
+                response = _error(503, str(exc))
+                response.headers["Retry-After"] = str(max(1, round(interval)))
+                return response
 
         return guarded
 

@@ -29,6 +29,7 @@ from shared.keys import pair_key
 from shared.logs import log
 from shared.store import Store
 from shared.tls import TlsConfigError, client_context, server_context
+from workers import antientropy
 from workers.admission import WorkerAdmission
 from workers.context import SYSTEM, WorkerContext
 from workers.counters import Counters
@@ -93,6 +94,7 @@ class Worker:
         self._server: ReplicationServer | None = None
         self._http: aiohttp.ClientSession | None = None
         self._admission: WorkerAdmission | None = None
+        self._rounds: dict[str, asyncio.Task[None]] = {}  # anti-entropy rounds running, by pair
 
     # -- pipe ------------------------------------------------------------------------------------------------
 
@@ -166,6 +168,8 @@ class Worker:
                 self._admission.submit(pair_key(key, database), "unsubscribe", message)
             case messages.ForceReconnect(key=key, database=database):
                 self._admission.submit(pair_key(key, database), "force_reconnect", message)
+            case messages.AntiEntropy():
+                self._start_round(message)
             case messages.Reconfigure(config=data):
                 self.config = config_module.decode(data)
                 if self.ctx is not None:
@@ -255,6 +259,56 @@ class Worker:
         elif action == "force_reconnect" and session is not None:
             session.force_reconnect(message.session, message.reason or "forced by the coordinator")
 
+    # -- anti-entropy --------------------------------------------------------------------------------------------
+
+    def _start_round(self, message: messages.AntiEntropy) -> None:
+        pk = pair_key(message.key, message.database)
+        session = self._sessions.get(pk)
+        done = messages.AntiEntropyDone(
+            key=message.key, database=message.database, round=message.round, peer=session.peer if session else ""
+        )
+        if self.ctx is None or self._http is None or session is None or not session.connected:
+            done.error = "the pair's session is not connected"
+            self.report(done)
+            return
+        if pk in self._rounds:
+            done.error = "a round of this pair is still running"
+            self.report(done)
+            return
+        task = asyncio.get_running_loop().create_task(self._round(message, session), name=f"antientropy {pk}")
+        self._rounds[pk] = task
+        task.add_done_callback(lambda _: self._rounds.pop(pk, None))
+
+    async def _round(self, message: messages.AntiEntropy, session: PeerSession) -> None:
+        assert self.ctx is not None and self._http is not None
+        ctx = self.ctx
+        settings = ctx.config.replication
+        done = messages.AntiEntropyDone(
+            key=message.key, database=message.database, round=message.round, peer=session.peer
+        )
+        try:
+            db = ctx.store.database(message.database)
+            transport = _https_transport(self._http, session.sub.url, ctx)
+            round_ = antientropy.Round(
+                db,
+                transport,
+                rate=settings.antientropy_rate,
+                ceiling=lambda: int((ctx.wall() + settings.max_clock_skew) * 1_000_000),
+            )
+            result = await round_.run()
+        except Exception as exc:  # a round must never take the worker down; the coordinator logs the reason
+            done.error = f"{type(exc).__name__}: {exc}"
+        else:
+            done.buckets_compared = result.buckets_compared
+            done.divergent_buckets = result.divergent_buckets
+            done.repaired = result.repaired
+            done.bytes_exchanged = result.bytes_exchanged
+            done.seconds = round(result.seconds, 6)
+            done.error = result.error
+            if result.repaired:
+                ctx.feeds.poke(message.database)
+        self.report(done)
+
     def _retire(self, session: PeerSession, going_away: bool = False) -> None:
         session.stop(going_away)
         self._closing.add(session)
@@ -278,6 +332,8 @@ class Worker:
             for session in self._sessions.values():
                 if session.dirty or (idle_flush and session.connected):
                     session.flush_progress()
+            for database, count in self.ctx.store.take_checksum_failures().items():
+                self.ctx.counters.inc("replicator_checksum_failures_total", database, value=count)
             log.flush()
             self.report(
                 messages.Heartbeat(
@@ -291,6 +347,8 @@ class Worker:
     async def _shutdown(self) -> None:
         """Drain: close every session with going-away, commit what is applied, stop serving, within the deadline."""
         log.info("worker_stopping", deadline_s=self._shutdown_deadline)
+        for task in list(self._rounds.values()):
+            task.cancel()
         for session in list(self._sessions.values()):
             self._retire(session, going_away=True)
         self._sessions.clear()
@@ -316,3 +374,39 @@ class Worker:
                 )
             self.ctx.store.close()
         await self._drain_pipe()
+
+
+MAX_REPLY_BYTES = 64 * 1024 * 1024
+ROUND_REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=60)
+
+
+def _https_transport(http: aiohttp.ClientSession, url: str, ctx: WorkerContext) -> antientropy.Transport:
+    """Anti-entropy queries to the peer at `url` (its wss:// URL), over HTTPS with this node's certificate."""
+    scheme, _, rest = url.partition("://")
+    endpoint = f"{'http' if scheme == 'ws' else 'https'}://{rest.rstrip('/')}/replication/antientropy"
+
+    async def transport(body: bytes) -> bytes:
+        try:
+            async with http.post(
+                endpoint,
+                data=body,
+                ssl=ctx.client_ssl,
+                timeout=ROUND_REQUEST_TIMEOUT,
+                headers={"Content-Type": "application/msgpack"},
+            ) as response:
+                chunks: list[bytes] = []
+                size = 0
+                async for chunk in response.content.iter_chunked(1 << 16):
+                    size += len(chunk)
+                    if size > MAX_REPLY_BYTES:
+                        raise antientropy.PeerError(f"{endpoint}: an answer over {MAX_REPLY_BYTES} bytes")
+                    chunks.append(chunk)
+                data = b"".join(chunks)
+                if response.status != 200:
+                    text = data[:200].decode("utf-8", "replace").strip()
+                    raise antientropy.PeerError(f"{endpoint} answered {response.status}: {text}")
+                return data
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise antientropy.PeerError(f"{endpoint}: {exc or type(exc).__name__}") from None
+
+    return transport

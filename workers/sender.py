@@ -148,7 +148,7 @@ class Sender:
             self._check_gone()
             entries, new_marks, more = plan.next_batch(db, self._settings.batch_size)
             if not entries and not new_marks:
-                if not told_caught_up:
+                if not told_caught_up and not plan.blocked:
                     await self._send_batch(wire.Batch(entries=[], head_seq=db.last_seq(), caught_up=True))
                     told_caught_up = True
                 await feed.wait(timeout=1.0)
@@ -164,10 +164,10 @@ class Sender:
                         entries=chunk,
                         marks=new_marks if last else {},
                         head_seq=head,
-                        caught_up=last and not more,
+                        caught_up=last and not more and not plan.blocked,
                     )
                 )
-            told_caught_up = not more
+            told_caught_up = not more and not plan.blocked
             if entries:
                 self._ctx.counters.inc("replicator_records_sent_total", db.name, self._peer, value=len(entries))
 
@@ -190,6 +190,9 @@ class OriginPlan:
         self.positions = dict(marks)
         self.exclude = exclude
         self.limits = limits or {}
+        # The damaged record an origin's stream waits at (this node holds it, but not intact), by origin. The
+        # marks stay below it until anti-entropy replaces it.
+        self.blocked: dict[str, str] = {}
 
     def next_batch(self, db: Database, limit: int) -> tuple[list[wire.Entry], dict[str, int], bool]:
         """(entries, raised marks, more pending) for the next batch of at most `limit` entries."""
@@ -209,19 +212,22 @@ class OriginPlan:
             if complete > mark and position > mark:
                 position = mark
             cut_short = False
+            self.blocked.pop(origin, None)
             if top > position:
                 room = limit - len(entries)
                 if room <= 0:
                     more = True
                     continue
-                got = db.origin_entries(origin, position, room, upto=cap)
+                got, damaged = db.serve_origin(origin, position, room, upto=cap)
                 entries.extend(got)
                 if got:
                     position = got[-1].version
-                cut_short = len(got) == room
+                cut_short = len(got) == room or damaged is not None
+                if damaged is not None:
+                    self.blocked[origin] = f"{damaged.table}/{damaged.id}"
             self.positions[origin] = position
             reach = min(position, complete) if cut_short else complete
-            more = more or cut_short
+            more = more or (cut_short and origin not in self.blocked)
             if reach > mark:
                 self.marks[origin] = raised[origin] = reach
         return entries, raised, more

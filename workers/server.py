@@ -18,8 +18,9 @@ from aiohttp import web
 
 from shared import wire
 from shared.logs import log
+from shared.store import UnknownDatabase
 from shared.tls import peer_identity
-from workers import frames
+from workers import antientropy, frames
 from workers.context import WorkerContext
 from workers.data_api import DataApi
 from workers.sender import Sender
@@ -33,6 +34,7 @@ class ReplicationServer:
         self._sockets: set[Any] = set()
         app = web.Application(client_max_size=ctx.config.replication.max_frame_bytes)
         app.router.add_get("/replication", self.replication)
+        app.router.add_post("/replication/antientropy", self.antientropy)
         app.router.add_routes(DataApi(ctx).routes())
         self._app = app
 
@@ -64,7 +66,8 @@ class ReplicationServer:
             return f"certificate serial {serial} of {name!r} is revoked"
         return None
 
-    async def replication(self, request: web.Request) -> web.StreamResponse:
+    def _peer(self, request: web.Request) -> str | web.Response:
+        """The authenticated peer's node name, or the response that refuses the request."""
         transport = request.transport
         ssl_object = transport.get_extra_info("ssl_object") if transport is not None else None
         identity = peer_identity(ssl_object) if ssl_object is not None else None
@@ -75,6 +78,34 @@ class ReplicationServer:
         if refusal is not None:
             log.warning("send_auth_refused", peer=identity.name, database="", reason=refusal)
             return web.Response(status=403, text=refusal + "\n")
+        return identity.name
+
+    async def antientropy(self, request: web.Request) -> web.Response:
+        """One anti-entropy query from a peer (see `workers.antientropy`): msgpack in, msgpack out."""
+        peer = self._peer(request)
+        if isinstance(peer, web.Response):
+            return peer
+        body = await request.read()
+        if len(body) > antientropy.MAX_QUERY_BYTES:
+            return web.Response(status=413, text=f"a query is at most {antientropy.MAX_QUERY_BYTES} bytes\n")
+        try:
+            query = antientropy.decode_query(body)
+        except antientropy.BadQuery as exc:
+            log.warning("antientropy_refused", peer=peer, reason=str(exc), sample_by=("peer",))
+            return web.Response(status=400, text=f"{exc}\n")
+        if not self._ctx.replicates(query.database):
+            return web.Response(status=403, text=f"database {query.database!r} is not replicated here\n")
+        try:
+            db = self._ctx.store.database(query.database)
+        except UnknownDatabase as exc:
+            return web.Response(status=404, text=f"{exc}\n")
+        reply = antientropy.answer(db, query)
+        return web.Response(body=antientropy.encode(reply), content_type="application/msgpack")
+
+    async def replication(self, request: web.Request) -> web.StreamResponse:
+        identity_name = self._peer(request)
+        if isinstance(identity_name, web.Response):
+            return identity_name
         ws = web.WebSocketResponse(
             protocols=[wire.SUBPROTOCOL],
             max_msg_size=self._ctx.config.replication.max_frame_bytes,
@@ -85,7 +116,7 @@ class ReplicationServer:
             await frames.close(ws, wire.CLOSE_POLICY, f"subprotocol {wire.SUBPROTOCOL} is required")
             return ws
         self._sockets.add(ws)
-        sender = Sender(self._ctx, ws, identity.name)
+        sender = Sender(self._ctx, ws, identity_name)
         code, reason = wire.CLOSE_NORMAL, "session ended"
         try:
             await sender.run()
@@ -93,10 +124,10 @@ class ReplicationServer:
             code, reason = exc.code, exc.reason
         except wire.SessionError as exc:
             code, reason = exc.code, exc.reason
-            log.warning("session_rejected", peer=identity.name, database=sender.database, code=code, reason=exc.reason)
+            log.warning("session_rejected", peer=identity_name, database=sender.database, code=code, reason=exc.reason)
         except wire.MalformedFrame as exc:
             code, reason = exc.close_code, exc.reason
-            log.warning("session_rejected", peer=identity.name, database=sender.database, code=code, reason=reason)
+            log.warning("session_rejected", peer=identity_name, database=sender.database, code=code, reason=reason)
         finally:
             self._sockets.discard(ws)
             await frames.close(ws, code, reason)

@@ -1,0 +1,331 @@
+"""Anti-entropy between two peers: compare digest trees, descend where they differ, pull what differs.
+
+A round runs on the subscribing end of a pair, in the worker that owns the pair's session, when the coordinator
+says so (`messages.AntiEntropy`, on the schedule of `coordinator.antientropy`). It asks the peer over HTTPS on the
+node port, `POST /replication/antientropy`, with the same client certificate as the replication session; each
+request is one msgpack `Query` and each answer one msgpack reply:
+
+    Roots(database)                          -> RootsReply: every table's root digest
+    Children(database, table, level, nodes)  -> ChildrenReply: the 16 child digests of each node
+    Rows(database, table, level, nodes)      -> RowsReply: (id, version, origin, tombstone, checksum) under them
+    Fetch(database, table, ids)              -> FetchReply: those records, intact ones only
+
+The puller compares each table's root, asks for the children of every node that differs, level by level (see
+`shared.digests` for the tree), and settles a node by exchanging its rows once it holds at most `LEAF_ROWS` on
+either side. For each differing row it pulls the peer's version when that one wins last-writer-wins (or when the
+local row is damaged), and applies it like a replicated batch: one transaction, an audit entry, last-writer-wins.
+A local row that is damaged and that the peer holds no healthy copy of is removed, so a row nobody can vouch for
+does not stay forever; a healthy copy elsewhere comes back in the round with that peer. Rows the peer lacks are
+left alone: the peer pulls them in its own round.
+
+Both ends verify every row they compare or serve against its checksum, so a damaged value never travels. Repairs
+are paced at `replication.antientropy_rate` records per second, and the database work is cut into small steps
+between network round trips, so live replication in the same worker keeps its turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import msgspec
+
+from shared import digests
+from shared.config import NAME_RE
+from shared.hlc import MAX_VERSION
+from shared.store import BadName, BadRecord, Database, check_name
+from shared.wire import Entry
+
+LEAF_ROWS = 16  # a node holding at most this many rows on each side is settled by exchanging its rows
+MAX_NODES = 256  # tree nodes per Children or Rows request
+MAX_ROWS = 4096  # expected rows per Rows request
+FETCH_CHUNK = 128  # records per Fetch request (and per apply transaction)
+MAX_IDS = 1024  # ids a peer may ask for in one Fetch
+MAX_QUERY_BYTES = 1024 * 1024
+
+
+# -- the wire ------------------------------------------------------------------------------------------------
+
+
+class Roots(msgspec.Struct, tag="roots", kw_only=True):
+    database: str
+
+
+class Children(msgspec.Struct, tag="children", kw_only=True):
+    database: str
+    table: str
+    level: int
+    nodes: list[int]
+
+
+class Rows(msgspec.Struct, tag="rows", kw_only=True):
+    database: str
+    table: str
+    level: int
+    nodes: list[int]
+
+
+class Fetch(msgspec.Struct, tag="fetch", kw_only=True):
+    database: str
+    table: str
+    ids: list[str]
+
+
+Query = Roots | Children | Rows | Fetch
+
+
+class RootsReply(msgspec.Struct, kw_only=True):
+    tables: dict[str, tuple[int, int]]
+
+
+class ChildrenReply(msgspec.Struct, kw_only=True):
+    children: list[list[tuple[int, int]]]
+
+
+class RowsReply(msgspec.Struct, kw_only=True):
+    # (id, version, origin, tombstone, checksum); checksum None: damaged on the peer
+    rows: list[tuple[str, int, str, bool, int | None]]
+
+
+class FetchReply(msgspec.Struct, kw_only=True):
+    entries: list[Entry]
+    damaged: list[str] = []
+
+
+Reply = RootsReply | ChildrenReply | RowsReply | FetchReply
+
+_encode = msgspec.msgpack.Encoder().encode
+_query_decoder = msgspec.msgpack.Decoder(Query)
+
+
+class BadQuery(ValueError):
+    """A query that names something that cannot exist or asks for too much; the message says what."""
+
+
+class PeerError(Exception):
+    """The peer could not answer (unreachable, refused, an answer that does not decode); the round ends."""
+
+
+def decode_query(body: bytes) -> Query:
+    try:
+        query = _query_decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise BadQuery(f"not an anti-entropy query: {exc}") from None
+    if not NAME_RE.match(query.database):
+        raise BadQuery(f"bad database name {query.database[:70]!r}")
+    if isinstance(query, Children | Rows | Fetch):
+        try:
+            check_name(query.table, "table")
+        except BadName as exc:
+            raise BadQuery(str(exc)) from None
+    if isinstance(query, Children | Rows):
+        top = digests.MAX_LEVEL - 1 if isinstance(query, Children) else digests.MAX_LEVEL
+        if not 0 <= query.level <= top:
+            raise BadQuery(f"level {query.level} is outside 0..{top}")
+        if len(query.nodes) > MAX_NODES:
+            raise BadQuery(f"{len(query.nodes)} nodes in one query; at most {MAX_NODES}")
+        width = 1 << (digests.FANOUT_BITS * query.level)
+        if any(not 0 <= node < width for node in query.nodes):
+            raise BadQuery(f"a node outside level {query.level} of the tree")
+    if isinstance(query, Fetch) and len(query.ids) > MAX_IDS:
+        raise BadQuery(f"{len(query.ids)} ids in one fetch; at most {MAX_IDS}")
+    return query
+
+
+def answer(db: Database, query: Query) -> Reply:
+    """The serving end: one query against this node's copy of the database."""
+    match query:
+        case Roots():
+            return RootsReply(tables=db.roots())
+        case Children(table=table, level=level, nodes=nodes):
+            return ChildrenReply(children=db.children(table, level, nodes))
+        case Rows(table=table, level=level, nodes=nodes):
+            return RowsReply(rows=db.summaries(table, level, nodes))
+        case Fetch(table=table, ids=ids):
+            entries, damaged = db.fetch(table, ids)
+            return FetchReply(entries=entries, damaged=damaged)
+    raise BadQuery(f"unknown query {type(query).__name__}")
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encode(message)
+
+
+# -- the pulling end -------------------------------------------------------------------------------------------
+
+_R = TypeVar("_R", bound=msgspec.Struct)
+Transport = Callable[[bytes], Awaitable[bytes]]  # one encoded query in, the peer's encoded reply out
+
+
+def local_transport(db: Database) -> Transport:
+    """A transport that answers from another Database in this process (tests and the benchmark)."""
+
+    async def transport(body: bytes) -> bytes:
+        return encode(answer(db, decode_query(body)))
+
+    return transport
+
+
+@dataclass
+class RoundResult:
+    buckets_compared: int = 0
+    divergent_buckets: int = 0
+    repaired: int = 0
+    bytes_exchanged: int = 0
+    seconds: float = 0.0
+    error: str = ""
+    divergent: set[tuple[str, int]] = field(default_factory=set)  # (table, bucket)
+
+
+Summary = tuple[int, str, bool, int | None]  # version, origin, tombstone, checksum (None: damaged)
+
+
+class Round:
+    """One anti-entropy round of this node's copy of `db` against a peer reached through `ask`."""
+
+    def __init__(
+        self,
+        db: Database,
+        transport: Transport,
+        *,
+        rate: float,
+        ceiling: Callable[[], int] = lambda: MAX_VERSION,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`rate`: records repaired per second at most. `ceiling()`: the highest version this node accepts now
+        (its wall clock plus max_clock_skew); a peer's record above it is not pulled."""
+        self._db = db
+        self._transport = transport
+        self._rate = rate
+        self._ceiling = ceiling
+        self._sleep = sleep
+        self._clock = clock
+        self.result = RoundResult()
+
+    async def run(self) -> RoundResult:
+        started = self._clock()
+        result = self.result
+        try:
+            remote = await self._ask(Roots(database=self._db.name), RootsReply)
+            local = self._db.roots()
+            for table in sorted(set(remote.tables) | set(local)):
+                result.buckets_compared += 1
+                theirs = tuple(remote.tables.get(table, digests.EMPTY))
+                ours = local.get(table, digests.EMPTY)
+                if theirs != ours:
+                    if not NAME_RE.match(table):
+                        raise PeerError(f"the peer named a table {table[:70]!r}")
+                    await self._table(table, theirs, ours)
+        except PeerError as exc:
+            result.error = str(exc)
+        result.divergent_buckets = len(result.divergent)
+        result.seconds = self._clock() - started
+        return result
+
+    async def _ask(self, query: Query, reply_type: type[_R]) -> _R:
+        body = encode(query)
+        self.result.bytes_exchanged += len(body)
+        data = await self._transport(body)
+        self.result.bytes_exchanged += len(data)
+        try:
+            return msgspec.msgpack.decode(data, type=reply_type)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise PeerError(f"the peer's answer to {type(query).__name__} does not decode: {exc}") from None
+
+    async def _table(self, table: str, theirs: digests.Digest, ours: digests.Digest) -> None:
+        leaves: dict[int, list[int]] = {}
+        frontier = [0]
+        level = 0
+        if max(theirs[0], ours[0]) <= LEAF_ROWS:
+            leaves[0] = [0]
+            frontier = []
+        while frontier:
+            following: list[int] = []
+            for start in range(0, len(frontier), MAX_NODES):
+                nodes = frontier[start : start + MAX_NODES]
+                remote = await self._ask(
+                    Children(database=self._db.name, table=table, level=level, nodes=nodes), ChildrenReply
+                )
+                if len(remote.children) != len(nodes) or any(len(c) != digests.FANOUT for c in remote.children):
+                    raise PeerError("the peer answered a different number of tree nodes than asked")
+                local = self._db.children(table, level, nodes)
+                for node, their_children, our_children in zip(nodes, remote.children, local, strict=True):
+                    self.result.buckets_compared += digests.FANOUT
+                    for index in range(digests.FANOUT):
+                        theirs_child = tuple(their_children[index])
+                        if theirs_child == our_children[index]:
+                            continue
+                        child = (node << digests.FANOUT_BITS) | index
+                        small = max(theirs_child[0], our_children[index][0]) <= LEAF_ROWS
+                        if small or level + 1 == digests.MAX_LEVEL:
+                            leaves.setdefault(level + 1, []).append(child)
+                        else:
+                            following.append(child)
+                await asyncio.sleep(0)
+            frontier = following
+            level += 1
+        for leaf_level, nodes in sorted(leaves.items()):
+            for start in range(0, len(nodes), MAX_NODES):
+                await self._settle(table, leaf_level, nodes[start : start + MAX_NODES])
+
+    async def _settle(self, table: str, level: int, nodes: list[int]) -> None:
+        """Compare the rows under `nodes` and repair this side."""
+        reply = await self._ask(Rows(database=self._db.name, table=table, level=level, nodes=nodes), RowsReply)
+        theirs: dict[str, Summary] = {}
+        for record_id, version, origin, tombstone, stored in reply.rows:
+            theirs[record_id] = (version, origin, tombstone, stored)
+        ours: dict[str, Summary] = {
+            record_id: (version, origin, tombstone, stored)
+            for record_id, version, origin, tombstone, stored in self._db.summaries(table, level, nodes)
+        }
+        pull: list[str] = []
+        drop: list[str] = []
+        for record_id in sorted(theirs.keys() | ours.keys()):
+            their_row = theirs.get(record_id)
+            our_row = ours.get(record_id)
+            if their_row == our_row:
+                continue
+            self.result.divergent.add((table, digests.bucket_of(record_id)))
+            our_healthy = our_row is not None and our_row[3] is not None
+            if their_row is not None and their_row[3] is not None:
+                if not our_healthy or _wins(their_row, our_row):
+                    pull.append(record_id)
+            elif our_row is not None and not our_healthy:
+                drop.append(record_id)
+        for start in range(0, len(pull), FETCH_CHUNK):
+            await self._pull(table, pull[start : start + FETCH_CHUNK], drop)
+        if drop:
+            removed = self._db.drop_damaged(table, drop)
+            self.result.repaired += removed
+            await self._pace(removed)
+
+    async def _pull(self, table: str, ids: list[str], drop: list[str]) -> None:
+        reply = await self._ask(Fetch(database=self._db.name, table=table, ids=ids), FetchReply)
+        wanted = set(ids)
+        ceiling = self._ceiling()
+        entries = [
+            entry for entry in reply.entries if entry.table == table and entry.id in wanted and entry.version <= ceiling
+        ]
+        # A row the peer found damaged when it came to serve it: if ours is damaged too, nobody vouches for it.
+        drop.extend(record_id for record_id in reply.damaged if record_id in wanted)
+        try:
+            won = self._db.apply_batch(entries)
+        except (BadRecord, BadName) as exc:
+            raise PeerError(f"the peer served a record that cannot be stored: {exc}") from None
+        self.result.repaired += won
+        await self._pace(won)
+
+    async def _pace(self, records: int) -> None:
+        if records and self._rate > 0:
+            await self._sleep(records / self._rate)
+
+
+def _wins(theirs: Summary, ours: Summary | None) -> bool:
+    """Does the peer's row beat ours last-writer-wins (version, origin, then checksum)?"""
+    if ours is None:
+        return True
+    return (theirs[0], theirs[1], theirs[3] or 0) > (ours[0], ours[1], ours[3] or 0)
