@@ -2,10 +2,15 @@
 
 GET /metrics /healthz /readyz /status /nodes /digest/{database}
 PUT /nodes/{name} {"url", "databases", "replicates"[, "leader", "revoked"]}   DELETE /nodes/{name}
+POST /antientropy/{database} /antientropy [?timeout=SECONDS]   run an anti-entropy round now with every peer of
+    the database (of every database the node holds) and answer when all came back:
+    {"rounds": [{"peer", "database", "buckets_compared", "divergent_buckets", "repaired", "bytes", "seconds",
+    "error"}], "repaired": total}
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import msgspec
@@ -18,6 +23,7 @@ from shared.keys import normalize_url
 from shared.store import BadName, NodeRow, UnknownDatabase, delete_node, read_nodes, write_node
 
 _json = msgspec.json.Encoder()
+MAX_WAIT = 3600.0  # the longest `?timeout=` a run-now request may ask for
 
 
 def _reply(payload: Any, status: int = 200) -> web.Response:
@@ -49,6 +55,8 @@ class AdminServer:
         app.router.add_put("/nodes/{name}", self.put_node)
         app.router.add_delete("/nodes/{name}", self.delete_node)
         app.router.add_get("/digest/{database}", self.digest)
+        app.router.add_post("/antientropy", self.antientropy)
+        app.router.add_post("/antientropy/{database}", self.antientropy)
         self._app = app
 
     async def start(self) -> None:
@@ -147,7 +155,29 @@ class AdminServer:
             return _error(400, str(exc))
         except UnknownDatabase as exc:
             return _error(404, str(exc))
-        return _reply({"database": name, "tables": database.digest()})
+        # Off the loop: the scrub may hold the database's lock for a table scan (check_digests).
+        tables = await asyncio.to_thread(database.digest)
+        return _reply({"database": name, "tables": tables})
+
+    async def antientropy(self, request: web.Request) -> web.Response:
+        name = request.match_info.get("database")
+        if name is not None:
+            if not NAME_RE.match(name):
+                return _error(400, f"bad database name {name[:80]!r}: use 1 to 64 of A-Z a-z 0-9 _ -")
+            if name not in self._node.holds:
+                return _error(404, f"this node does not hold database {name!r}")
+        timeout: float | None = None
+        if "timeout" in request.query:
+            try:
+                timeout = float(request.query["timeout"])
+            except ValueError:
+                timeout = -1.0
+            if not 0 < timeout <= MAX_WAIT:
+                return _error(400, f"bad timeout {request.query['timeout'][:40]!r}: seconds in (0, {MAX_WAIT:g}]")
+        reports = await self._node.antientropy.run_now(name, timeout)
+        return _reply(
+            {"rounds": [report.summary() for report in reports], "repaired": sum(r.repaired for r in reports)}
+        )
 
 
 def status_document(node: AdminView) -> dict[str, Any]:
@@ -186,6 +216,7 @@ def status_document(node: AdminView) -> dict[str, Any]:
                     "connected_for_s": round(now - pair.connected_at, 3)
                     if pair.connected and pair.connected_at is not None
                     else None,
+                    "antientropy": _round_status(node, entry.key, database),
                 }
             )
         connections.append({"peer": entry.peer, "url": entry.url, "worker": entry.worker, "databases": databases})
@@ -201,4 +232,11 @@ def status_document(node: AdminView) -> dict[str, Any]:
         "failed_over": node.router.failed_over(),
         "recovery": {name: dict(state) for name, state in sorted(node.recoveries.items())},
         "clock_offsets": {peer: offset for peer, offset in sorted(node.peer_clock.items())},
+        # Per held database, the last pass of the scrub (checksums, buckets and bucket digests verified).
+        "scrub": {database: report.status() for database, report in node.antientropy.scrubs().items()},
     }
+
+
+def _round_status(node: AdminView, key: str, database: str) -> dict[str, Any] | None:
+    report = node.antientropy.last_round(key, database)
+    return report.status() if report is not None else None

@@ -66,8 +66,24 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--admin", default="http://127.0.0.1:9926", help="the node's admin URL")
     status.add_argument("--json", action="store_true", help="print the JSON document instead of a table")
 
-    verify = commands.add_parser("verify", help="compare every database's digest across nodes")
+    verify = commands.add_parser(
+        "verify",
+        help="compare every database's digest across nodes",
+        description="Compare every database's digest across nodes: exit 0 when identical, 1 when they differ or a "
+        "node cannot be reached, 2 on a usage error.",
+    )
     verify.add_argument("--admin", action="append", required=True, help="an admin URL (repeat for each node)")
+    verify.add_argument(
+        "--repair",
+        action="store_true",
+        help="first run an anti-entropy round on every node with each of its connected peers (POST /antientropy) "
+        "and report what each node changed, then compare",
+    )
+    verify.add_argument(
+        "--json",
+        action="store_true",
+        help='print one JSON object: {"identical", "nodes", "databases", "differences"} (and "repairs" with --repair)',
+    )
     return parser
 
 
@@ -108,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         case "verify":
             from coordinator.inspect import cmd_verify
 
-            return _asyncio_run(cmd_verify(args.admin))
+            return _asyncio_run(cmd_verify(args.admin, repair=args.repair, as_json=args.json))
     return EXIT_USAGE
 
 

@@ -4,15 +4,23 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from typing import Any
 
 import aiohttp
 
 TIMEOUT = aiohttp.ClientTimeout(total=15)
+# `verify --repair` waits for every round of a node; the node bounds that wait itself (its round timeout).
+REPAIR_TIMEOUT = aiohttp.ClientTimeout(total=3700, sock_connect=15)
 
 
 async def _get(http: aiohttp.ClientSession, url: str) -> tuple[int, Any]:
     async with http.get(url) as response:
+        return response.status, await response.json(content_type=None)
+
+
+async def _post(http: aiohttp.ClientSession, url: str, timeout: aiohttp.ClientTimeout) -> tuple[int, Any]:
+    async with http.post(url, timeout=timeout) as response:
         return response.status, await response.json(content_type=None)
 
 
@@ -30,11 +38,33 @@ async def cmd_status(admin: str, as_json: bool) -> int:
     if as_json:
         print(json.dumps(body, indent=2))
     else:
-        print(render_status(body))
+        print(render_status(body, time.time()))
     return 0
 
 
-def render_status(body: dict[str, Any]) -> str:
+def _age(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 90:
+        return f"{seconds:.0f}s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f}m"
+    if seconds < 48 * 3600:
+        return f"{seconds / 3600:.0f}h"
+    return f"{seconds / 86400:.0f}d"
+
+
+def _round_cell(last: dict[str, Any] | None, now: float) -> str:
+    """The pair's last anti-entropy round, short: its age and what it repaired, or that it failed."""
+    if not last:
+        return "-"
+    age = _age(now - last["at"])
+    if last.get("error"):
+        return f"{age} ago FAILED"
+    return f"{age} ago, {last['repaired']} fixed"
+
+
+def render_status(body: dict[str, Any], now: float = 0.0) -> str:
+    """The status document as tables; `now` (wall clock) dates the anti-entropy rounds and scrubs."""
     workers = body.get("workers", [])
     pairs = [(c["peer"], d) for c in body.get("connections", []) for d in c["databases"]]
     connected = sum(1 for _, d in pairs if d["connected"])
@@ -71,6 +101,7 @@ def render_status(body: dict[str, Any]) -> str:
                 d["reconnect_attempts"],
                 d["last_received_seq"],
                 f"{d['lag_seconds']:.3f}",
+                _round_cell(d.get("antientropy"), now),
                 (d.get("last_error") or "")[:60],
             ]
         )
@@ -85,6 +116,7 @@ def render_status(body: dict[str, Any]) -> str:
                 "reconnects",
                 "received",
                 "lag s",
+                "anti-entropy",
                 "last error",
             ],
             rows,
@@ -97,6 +129,16 @@ def render_status(body: dict[str, Any]) -> str:
     for database, state in sorted((body.get("recovery") or {}).items()):
         if state.get("state") == "recovering":
             lines.append(f"recovering: {database} waits for its peers to serve this node's own writes back")
+    for peer, d in pairs:
+        last = d.get("antientropy") or {}
+        if last.get("error"):
+            lines.append(f"anti-entropy failed: {d['database']} with {peer}: {str(last['error'])[:120]}")
+    for database, scrub in sorted((body.get("scrub") or {}).items()):
+        if scrub.get("damaged") or scrub.get("digests_fixed"):
+            lines.append(
+                f"scrub: {database} had {scrub['damaged']} damaged records and {scrub['digests_fixed']} wrong bucket"
+                f" digests {_age(now - scrub['at'])} ago (anti-entropy repairs records from the peers)"
+            )
     return "\n".join(lines)
 
 
@@ -111,40 +153,99 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(out)
 
 
-async def cmd_verify(admins: list[str]) -> int:
+async def cmd_verify(admins: list[str], *, repair: bool = False, as_json: bool = False) -> int:
+    """Compare every database's digest across the nodes; with `repair`, run anti-entropy on each node first."""
     admins = [a.rstrip("/") for a in admins]
     if len(admins) < 2:
         print("replicator verify: give at least two --admin URLs", file=sys.stderr)
         return 2
+    names: dict[str, str] = {}
+    repairs: dict[str, list[dict[str, Any]]] = {}
+    digests: dict[str, dict[str, Any]] = {}
     try:
         async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
-            names: dict[str, str] = {}
             databases: set[str] = set()
             for admin in admins:
                 status, body = await _get(http, admin + "/status")
                 if status != 200:
-                    print(f"replicator verify: {admin}/status answered {status}", file=sys.stderr)
-                    return 1
+                    return _verify_failed(f"{admin}/status answered {status}", list(names.values()), as_json)
                 names[admin] = body["node"]
                 databases.update(body.get("holds", []))
-            digests: dict[str, dict[str, Any]] = {}
+            if repair:
+                # One node after the other: each pulls what its peers hold newer, so by the last one every
+                # node has had its turn against every connected peer.
+                for admin in admins:
+                    status, body = await _post(http, admin + "/antientropy", REPAIR_TIMEOUT)
+                    if status != 200:
+                        reason = body.get("error") if isinstance(body, dict) else None
+                        message = f"{admin}/antientropy answered {status}" + (f": {reason}" if reason else "")
+                        return _verify_failed(message, list(names.values()), as_json)
+                    repairs[names[admin]] = list(body.get("rounds", []))
             for database in sorted(databases):
                 digests[database] = {}
                 for admin in admins:
                     status, body = await _get(http, f"{admin}/digest/{database}")
                     digests[database][names[admin]] = body["tables"] if status == 200 else None
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-        print(f"replicator verify: {exc}", file=sys.stderr)
-        return 1
-    differences = compare(digests)
-    nodes = ", ".join(names.values())
-    if not differences:
-        print(f"identical: {len(digests)} databases on {nodes}")
-        return 0
-    print(f"DIFFERENT on {nodes}:")
-    for line in differences:
-        print("  " + line)
+        return _verify_failed(str(exc) or type(exc).__name__, list(names.values()), as_json)
+    document = verify_document(list(names.values()), digests, repairs if repair else None)
+    if as_json:
+        print(json.dumps(document, indent=2))
+    else:
+        print(render_verify(document))
+    return 0 if document["identical"] else 1
+
+
+def _verify_failed(reason: str, nodes: list[str], as_json: bool) -> int:
+    print(f"replicator verify: {reason}", file=sys.stderr)
+    if as_json:
+        print(
+            json.dumps(
+                {"identical": False, "nodes": nodes, "databases": 0, "differences": [], "error": reason}, indent=2
+            )
+        )
     return 1
+
+
+def verify_document(
+    nodes: list[str],
+    digests: dict[str, dict[str, dict[str, Any] | None]],
+    repairs: dict[str, list[dict[str, Any]]] | None = None,
+) -> dict[str, Any]:
+    """What `verify --json` prints: `{"identical", "nodes", "databases", "differences"[, "repairs"]}`."""
+    differences = compare(digests)
+    document: dict[str, Any] = {
+        "identical": not differences,
+        "nodes": nodes,
+        "databases": len(digests),
+        "differences": differences,
+    }
+    if repairs is not None:
+        document["repairs"] = repairs
+    return document
+
+
+def render_verify(document: dict[str, Any]) -> str:
+    lines = []
+    for node, rounds in (document.get("repairs") or {}).items():
+        changed = [r for r in rounds if r.get("repaired")]
+        for r in changed:
+            lines.append(
+                f"repaired on {node}: {r['database']} from {r['peer']}: {r['repaired']} records"
+                f" ({r['divergent_buckets']} buckets differed)"
+            )
+        for r in rounds:
+            if r.get("error"):
+                lines.append(f"round failed on {node}: {r['database']} with {r['peer']}: {r['error']}")
+        if not changed:
+            lines.append(f"nothing to repair on {node} ({len(rounds)} rounds)")
+    nodes = ", ".join(document["nodes"])
+    if document["identical"]:
+        lines.append(f"identical: {document['databases']} databases on {nodes}")
+    else:
+        lines.append(f"DIFFERENT on {nodes}:")
+        lines.extend("  " + line for line in document["differences"])
+    return "\n".join(lines)
 
 
 def compare(digests: dict[str, dict[str, dict[str, Any] | None]]) -> list[str]:

@@ -30,6 +30,13 @@ SAMPLED_EVENTS = (
     "wedge_redrive",
     "registry_watcher_failed",
     "clock_skew_refused",
+    "antientropy_failed",
+    "checksum_failed",
+)
+ANTIENTROPY_COUNTERS = (
+    "replicator_antientropy_rounds_total",
+    "replicator_antientropy_failures_total",
+    "replicator_antientropy_records_repaired_total",
 )
 
 # `_created` series would double the series count for no use here.
@@ -72,10 +79,37 @@ class Metrics:
                 ["peer"],
                 registry=registry,
             ),
+            "replicator_checksum_failures_total": Counter(
+                "replicator_checksum_failures_total",
+                "Stored records found damaged (failed their checksum), each counted once when it was found",
+                ["database"],
+                registry=registry,
+            ),
             "replicator_log_events_suppressed_total": Counter(
                 "replicator_log_events_suppressed_total",
                 "Repeated identical warnings not written to the log",
                 ["event"],
+                registry=registry,
+            ),
+        }
+        # Fed by the coordinator's anti-entropy schedules (coordinator.antientropy).
+        self._rounds: dict[str, Counter] = {
+            "replicator_antientropy_rounds_total": Counter(
+                "replicator_antientropy_rounds_total",
+                "Anti-entropy rounds that ran to the end without an error",
+                ["peer", "database"],
+                registry=registry,
+            ),
+            "replicator_antientropy_failures_total": Counter(
+                "replicator_antientropy_failures_total",
+                "Anti-entropy rounds that ended with an error or did not answer in time",
+                ["peer", "database"],
+                registry=registry,
+            ),
+            "replicator_antientropy_records_repaired_total": Counter(
+                "replicator_antientropy_records_repaired_total",
+                "Records anti-entropy changed on this node: pulled from the peer, or damaged ones removed",
+                ["peer", "database"],
                 registry=registry,
             ),
         }
@@ -88,6 +122,16 @@ class Metrics:
 
     def suppressed(self, event: str, count: int) -> None:
         self._fed["replicator_log_events_suppressed_total"].labels(event).inc(count)
+
+    def antientropy_round(self, peer: str, database: str, *, repaired: int, failed: bool) -> None:
+        name = "replicator_antientropy_failures_total" if failed else "replicator_antientropy_rounds_total"
+        self._rounds[name].labels(peer, database).inc()
+        if repaired > 0:
+            self._rounds["replicator_antientropy_records_repaired_total"].labels(peer, database).inc(repaired)
+
+    def checksum_failures(self, database: str, count: int) -> None:
+        if count > 0:
+            self._fed["replicator_checksum_failures_total"].labels(database).inc(count)
 
     def apply(self, deltas: list[CounterDelta]) -> None:
         for delta in deltas:
@@ -107,6 +151,10 @@ class Metrics:
             for database in entry.pairs:
                 self._fed["replicator_records_applied_total"].labels(database, entry.peer)
                 self._fed["replicator_records_sent_total"].labels(database, entry.peer)
+                for name in ANTIENTROPY_COUNTERS:
+                    self._rounds[name].labels(entry.peer, database)
+        for database in self._node.holds:
+            self._fed["replicator_checksum_failures_total"].labels(database)
         return generate_latest(self.registry)
 
 
@@ -153,12 +201,21 @@ class _StateCollector(Collector):
             "Age of the newest applied record while behind the peer; 0 when caught up",
             labels=["database", "peer"],
         )
+        divergent = GaugeMetricFamily(
+            "replicator_antientropy_divergent_buckets",
+            "Buckets that differed from the peer in the pair's last completed anti-entropy round",
+            labels=["peer", "database"],
+        )
         for entry in node.map:
             for database, pair in sorted(entry.pairs.items()):
                 connected.add_metric([entry.peer, database], 1.0 if pair.connected else 0.0)
                 lag.add_metric([database, entry.peer], pair.lag_seconds)
+                completed = node.antientropy.last_completed(entry.key, database)
+                if completed is not None:
+                    divergent.add_metric([entry.peer, database], completed.divergent_buckets)
         yield connected
         yield lag
+        yield divergent
         offset = GaugeMetricFamily(
             "replicator_peer_clock_offset_seconds",
             "The peer's wall clock minus ours, measured at the last session handshake",

@@ -4,6 +4,7 @@
     registry watcher -> on_node_update -> on_database -> setup scheduler -> dispatch (subscribe on a worker)
     worker reports (connected, disconnected, progress) -> replication map
     reconcile loop: truth pass, stale workers, wedged pairs, stalled receivers
+    anti-entropy: a round per pair on its schedule (on the pair's worker), a scrub per held database
     signals: SIGTERM/SIGINT drain and exit; SIGHUP reloads peers, thresholds and the worker count
 
 Exit codes: 0 after a clean shutdown, 3 when the node cannot boot (or a worker cannot).
@@ -24,6 +25,7 @@ import msgspec
 
 from coordinator import registry, scaling
 from coordinator.admin import AdminServer
+from coordinator.antientropy import AntiEntropy
 from coordinator.metrics import Metrics
 from coordinator.registry import SYSTEM, NodeView
 from coordinator.replication_map import Entry, PairState, ReplicationMap, StallWatch, should_fire_stall_kick
@@ -86,6 +88,7 @@ class Node:
         self.ladder = self.scheduler.sweep()
         self.views: dict[str, NodeView] = {}
         self.holds: set[str] = set()
+        self.antientropy = AntiEntropy(self, loop=self.loop, rng=self.rng)
         self.router = Router(config.replication.failover_after, self._on_route_change, loop=self.loop)
         # Databases whose file may lack this node's own writes (new, empty, lost, adopted), until the peers
         # have served them back; and what each recovery brought.
@@ -223,6 +226,7 @@ class Node:
         self._tasks.append(self.loop.create_task(self._reconcile_loop(), name="reconcile"))
         self._tasks.append(self.loop.create_task(self.notifier.watchdog_loop(), name="watchdog"))
         self._tasks.append(self.loop.create_task(self._prune_loop(), name="audit retention"))
+        self.antientropy.start()
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -238,6 +242,7 @@ class Node:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.antientropy.close()
         for entry in self.map:
             entry.disarm()
         self.router.close()
@@ -389,6 +394,7 @@ class Node:
         if pair is None:
             pair = PairState(database=database, payload=payload, created_at=now)
             entry.pairs[database] = pair
+            self.antientropy.track(key, view.name, database)
             changed = True
         else:
             changed = _setup_fields(pair.payload) != _setup_fields(payload)
@@ -435,6 +441,7 @@ class Node:
         pair = entry.pairs.pop(database, None)
         entry.disarm()
         self.scheduler.cancel(entry.url, database)
+        self.antientropy.forget(entry.key, database)
         if pair is None:
             return
         for worker in {entry.worker, pair.worker}:
@@ -597,6 +604,9 @@ class Node:
                     self._note_database(name)
                     self._write_own_row(self.system())
                     self.check_recoveries()
+                    self.antientropy.note_database(name)
+            case messages.AntiEntropyDone():
+                self.antientropy.on_done(message)
 
     def _on_connected(
         self, slot: int, key: str, database: str, worker: int, session: int, head: int, now: float
@@ -670,6 +680,7 @@ class Node:
             self.check_recoveries()
 
     def on_worker_exit(self, handle: WorkerHandle) -> None:
+        self.antientropy.on_worker_exit(handle.slot)
         for entry in self.map:
             if entry.worker == handle.slot:
                 # The sessions died with the process; a respawn in the same slot starts empty, so the entry is
@@ -879,6 +890,7 @@ class Node:
         self.config = new
         self.scheduler.stagger = new.replication.stagger
         self.router.failover_after = new.replication.failover_after
+        self.antientropy.reconfigure()
         for handle in self.supervisor.workers.values():
             self.supervisor.send(handle.slot, messages.Reconfigure(config=config_module.encode(new)))
         log.info("config_reloaded", peers=len(new.peers), workers=new.worker_count)

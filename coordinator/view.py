@@ -1,4 +1,5 @@
-"""What the metrics collector, the admin server and worker scaling need of the node: one narrow view each.
+"""What the metrics collector, the admin server, worker scaling and anti-entropy need of the node: one narrow view
+each.
 
 The node imports those modules to build them and hands itself in; they read it through these protocols, so none of
 them imports `coordinator.node` and the node's dependencies point one way. A `Node` satisfies every view here.
@@ -7,12 +8,13 @@ Members are read-only properties unless the module writes them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Set
+from collections.abc import Callable, Mapping, Set
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import asyncio
 
+    from coordinator.antientropy import AntiEntropy
     from coordinator.replication_map import ReplicationMap
     from coordinator.setup_scheduler import SetupScheduler, Sweep
     from coordinator.supervisor import Supervisor
@@ -41,9 +43,23 @@ class MetricsView(Protocol):
     @property
     def redrives(self) -> Mapping[str, int]: ...
 
+    @property
+    def holds(self) -> Set[str]: ...
+
+    @property
+    def antientropy(self) -> AntiEntropy: ...
+
 
 class RendersMetrics(Protocol):
     def render(self) -> bytes: ...
+
+
+class CountsAntiEntropy(Protocol):
+    """The counters anti-entropy feeds from the coordinator."""
+
+    def antientropy_round(self, peer: str, database: str, *, repaired: int, failed: bool) -> None: ...
+
+    def checksum_failures(self, database: str, count: int) -> None: ...
 
 
 class AdminView(MetricsView, Protocol):
@@ -57,9 +73,6 @@ class AdminView(MetricsView, Protocol):
 
     @property
     def store(self) -> Store | None: ...
-
-    @property
-    def holds(self) -> Set[str]: ...
 
     @property
     def boot_error(self) -> str: ...
@@ -99,3 +112,28 @@ class ScalingView(Protocol):
     def worker_ready(self) -> asyncio.Event: ...
 
     def place(self) -> int: ...
+
+
+class AntiEntropyView(Protocol):
+    """What the anti-entropy schedules read: the pairs and their workers, the held databases and the store."""
+
+    @property
+    def config(self) -> Config: ...
+
+    @property
+    def map(self) -> ReplicationMap: ...
+
+    @property
+    def supervisor(self) -> Supervisor: ...
+
+    @property
+    def store(self) -> Store | None: ...
+
+    @property
+    def holds(self) -> Set[str]: ...
+
+    @property
+    def wall(self) -> Callable[[], float]: ...
+
+    @property
+    def metrics(self) -> CountsAntiEntropy: ...

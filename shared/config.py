@@ -68,6 +68,9 @@ class ReplicationSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     # Sender flow control: batches sent and not yet acknowledged.
     window: int = 8
     audit_retention: float = 7 * 24 * 3600.0
+    # A tombstone is purged once every holder has it and it is at least this old (a delete must outlive every
+    # repair that could bring the record back; restore no backup older than this).
+    tombstone_retention: float = 7 * 24 * 3600.0
     prune_interval: float = 60.0  # how often the audit history is pruned
     # A direct link down this long hands its origin to the other connected peers, until it is back and caught up.
     failover_after: float = 10.0
@@ -251,8 +254,10 @@ def _check(config: Config, source: str) -> None:
         if not math.isfinite(value) or value < 0 or (key != "stagger" and value == 0):
             unit = "per second" if key.endswith("rate") else "of seconds"
             fail(f"replication.{key}", f"must be a positive number {unit}, got {value}")
-    if not math.isfinite(rep.audit_retention) or rep.audit_retention < 0:
-        fail("replication.audit_retention", f"must be a number of seconds >= 0, got {rep.audit_retention}")
+    for key in ("audit_retention", "tombstone_retention"):
+        value = getattr(rep, key)
+        if not math.isfinite(value) or value < 0:
+            fail(f"replication.{key}", f"must be a number of seconds >= 0, got {value}")
     if rep.shutdown_timeout <= 0:
         fail("replication.shutdown_timeout", f"must be positive, got {rep.shutdown_timeout}")
     if rep.batch_size < 1 or rep.window < 1:

@@ -153,6 +153,15 @@ class DatabaseRegressed(msgspec.Struct, tag="database_regressed", kw_only=True):
     floor: int  # the own version the peer holds complete, above what the file has
 
 
+class PeerHolds(msgspec.Struct, tag="peer_holds", kw_only=True):
+    """What a subscriber holds complete of each origin, as its subscription said and its acks since confirmed
+    (the sending end reports it): the tombstone purge waits until every holder has a tombstone."""
+
+    peer: str
+    database: str
+    complete: dict[str, int]
+
+
 class AntiEntropyDone(msgspec.Struct, tag="antientropy_done", kw_only=True):
     key: str
     database: str
@@ -178,6 +187,7 @@ ToCoordinator = (
     | DatabaseOpened
     | DatabaseRegressed
     | AntiEntropyDone
+    | PeerHolds
 )
 
 _encoder = msgspec.msgpack.Encoder()

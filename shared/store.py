@@ -12,6 +12,7 @@ Tables of each database file:
     digests  (tbl, bucket) -> count, live, xor                 the bucket digests anti-entropy compares
     audit    seq -> tbl, id, value, version, origin, tombstone  every commit, local or applied (history)
     origins  origin -> complete, top                            what this file holds of each origin
+    purged   origin -> scanned                                  how far tombstones were purged (all holders had them)
     meta     epoch, hlc, owner, recovering                      identity, the clock, whose file it is
 
 Every row carries the checksum of its content (`shared.digests`); a row that no longer matches it is damaged: it
@@ -89,6 +90,8 @@ _SCHEMA = (
         origin TEXT PRIMARY KEY, complete INTEGER NOT NULL DEFAULT 0, top INTEGER NOT NULL DEFAULT 0)
         WITHOUT ROWID""",
     "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value) WITHOUT ROWID",
+    # How far the tombstone purge has looked, by origin (it goes forward only).
+    """CREATE TABLE IF NOT EXISTS purged (origin TEXT PRIMARY KEY, scanned INTEGER NOT NULL) WITHOUT ROWID""",
 )
 
 # The columns an earlier schema lacks, added in place by `_initialize`.
@@ -819,6 +822,37 @@ class Database:
                 deleted += conn.execute("DELETE FROM audit WHERE seq <= ?", (high,)).rowcount
             low = high + 1
         return deleted
+
+    # -- tombstones ------------------------------------------------------------------------------------------
+
+    def purge_tombstones(self, floors: dict[str, int], horizon: int, chunk: int = 5000) -> int:
+        """Remove the tombstones every holder has and that are old enough; returns how many went.
+
+        `floors[o]`: every holder of the database (this node included) holds origin o complete up to it, so it
+        holds each of o's tombstones up to there, or something newer of the record. `horizon`: the newest version
+        old enough to go (the wall clock minus tombstone_retention). Each origin is walked forward once, from
+        where the last purge stopped; a tombstone that arrives later with a version below that stays (harmless).
+        """
+        removed = 0
+        for origin, floor in sorted(floors.items()):
+            upto = min(floor, horizon)
+            with self._read() as conn:
+                row = conn.execute("SELECT scanned FROM purged WHERE origin = ?", (origin,)).fetchone()
+            scanned = int(row[0]) if row is not None else 0
+            while upto > scanned:
+                with self._write() as conn:
+                    rows = conn.execute(
+                        "SELECT rowid, version, tombstone FROM records WHERE origin = ? AND version > ?"
+                        " AND version <= ? ORDER BY version LIMIT ?",
+                        (origin, scanned, upto, chunk),
+                    ).fetchall()
+                    reached = rows[-1][1] if len(rows) == chunk else upto
+                    dead = [(rowid,) for rowid, _, tombstone in rows if tombstone]
+                    conn.executemany("DELETE FROM records WHERE rowid = ?", dead)
+                    conn.execute("INSERT OR REPLACE INTO purged (origin, scanned) VALUES (?, ?)", (origin, reached))
+                removed += len(dead)
+                scanned = reached
+        return removed
 
     # -- digests and anti-entropy --------------------------------------------------------------------------
 

@@ -41,6 +41,9 @@ from shared.wire import Entry
 
 LEAF_ROWS = 16  # a node holding at most this many rows on each side is settled by exchanging its rows
 MAX_NODES = 256  # tree nodes per Children or Rows request
+# Nodes below the stored buckets are computed from the bucket's rows on every ask: fewer per request, so that
+# neither end blocks its event loop for long on one answer.
+MAX_ROW_NODES = 32
 MAX_ROWS = 4096  # expected rows per Rows request
 FETCH_CHUNK = 128  # records per Fetch request (and per apply transaction)
 MAX_IDS = 1024  # ids a peer may ask for in one Fetch
@@ -193,15 +196,19 @@ class Round:
         *,
         rate: float,
         ceiling: Callable[[], int] = lambda: MAX_VERSION,
+        horizon: Callable[[], int] = lambda: 0,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`rate`: records repaired per second at most. `ceiling()`: the highest version this node accepts now
-        (its wall clock plus max_clock_skew); a peer's record above it is not pulled."""
+        (its wall clock plus max_clock_skew); a peer's record above it is not pulled. `horizon()`: the newest
+        version of a tombstone old enough to be purged (the wall clock minus tombstone_retention): one of those
+        that this node lacks is as good as absent, so it is not pulled back after a purge."""
         self._db = db
         self._transport = transport
         self._rate = rate
         self._ceiling = ceiling
+        self._horizon = horizon
         self._sleep = sleep
         self._clock = clock
         self.result = RoundResult()
@@ -245,8 +252,9 @@ class Round:
             frontier = []
         while frontier:
             following: list[int] = []
-            for start in range(0, len(frontier), MAX_NODES):
-                nodes = frontier[start : start + MAX_NODES]
+            step = MAX_NODES if level < digests.STORED_LEVEL else MAX_ROW_NODES
+            for start in range(0, len(frontier), step):
+                nodes = frontier[start : start + step]
                 remote = await self._ask(
                     Children(database=self._db.name, table=table, level=level, nodes=nodes), ChildrenReply
                 )
@@ -269,8 +277,9 @@ class Round:
             frontier = following
             level += 1
         for leaf_level, nodes in sorted(leaves.items()):
-            for start in range(0, len(nodes), MAX_NODES):
-                await self._settle(table, leaf_level, nodes[start : start + MAX_NODES])
+            step = MAX_NODES if leaf_level < digests.STORED_LEVEL else MAX_ROW_NODES
+            for start in range(0, len(nodes), step):
+                await self._settle(table, leaf_level, nodes[start : start + step])
 
     async def _settle(self, table: str, level: int, nodes: list[int]) -> None:
         """Compare the rows under `nodes` and repair this side."""
@@ -284,11 +293,14 @@ class Round:
         }
         pull: list[str] = []
         drop: list[str] = []
+        horizon = self._horizon()
         for record_id in sorted(theirs.keys() | ours.keys()):
             their_row = theirs.get(record_id)
             our_row = ours.get(record_id)
             if their_row == our_row:
                 continue
+            if our_row is None and their_row is not None and their_row[2] and their_row[0] <= horizon:
+                continue  # a tombstone this node purged (or may purge): absent is the same state
             self.result.divergent.add((table, digests.bucket_of(record_id)))
             our_healthy = our_row is not None and our_row[3] is not None
             if their_row is not None and their_row[3] is not None:

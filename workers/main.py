@@ -294,6 +294,7 @@ class Worker:
                 transport,
                 rate=settings.antientropy_rate,
                 ceiling=lambda: int((ctx.wall() + settings.max_clock_skew) * 1_000_000),
+                horizon=lambda: int((ctx.wall() - settings.tombstone_retention) * 1_000_000),
             )
             result = await round_.run()
         except Exception as exc:  # a round must never take the worker down; the coordinator logs the reason

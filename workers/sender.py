@@ -11,6 +11,8 @@ receiver slows the sender instead of making it buffer.
 from __future__ import annotations
 
 import asyncio
+import time
+from collections import deque
 from typing import Any
 
 from shared import messages, wire
@@ -23,6 +25,7 @@ from workers.context import WorkerContext
 
 HANDSHAKE_TIMEOUT = 15.0
 MAX_ORIGINS = 1024
+HOLDS_INTERVAL = 5.0  # at most this often, what the subscriber holds is reported to the coordinator
 
 
 class Sender:
@@ -37,6 +40,12 @@ class Sender:
         self._room = asyncio.Event()
         self._gone: wire.SessionError | None = None
         self._database = ""
+        # What the subscriber holds complete, by origin: its resume points, raised by the marks of each batch
+        # once it is acknowledged. `_unacked`: (batch number, marks) of batches sent with marks.
+        self._holds: dict[str, int] = {}
+        self._unacked: deque[tuple[int, dict[str, int]]] = deque()
+        self._holds_reported = 0.0
+        self._holds_dirty = False
 
     @property
     def database(self) -> str:
@@ -60,6 +69,8 @@ class Sender:
         db = self._open(sub)
         self._check_regression(db, sub.progress.get(self._ctx.node, 0))
         await frames.send(self._ws, wire.Schema(database=db.name, epoch=db.epoch, head_seq=db.last_seq()))
+        self._holds = {origin: version for origin, version in sub.progress.items() if version > 0}
+        self._report_holds(force=True)
         reader = asyncio.get_running_loop().create_task(self._read_acks(db))
         try:
             await self._serve(db, dict(sub.progress), frozenset(sub.exclude), {self._peer: sub.own_upto})
@@ -104,12 +115,30 @@ class Sender:
                     raise wire.ProtocolViolation(f"expected Ack, got {type(message).__name__}")
                 self._acked += 1
                 self._room.set()
+                self._confirm(self._acked)
         except wire.SessionError as exc:
             self._gone = exc
         except wire.MalformedFrame as exc:
             self._gone = wire.ProtocolViolation(exc.reason, exc.close_code)
         self._room.set()
         self._ctx.feeds.poke(db.name)
+
+    def _confirm(self, acked: int) -> None:
+        """Batches up to `acked` arrived: their marks are held by the subscriber now."""
+        while self._unacked and self._unacked[0][0] <= acked:
+            _, marks = self._unacked.popleft()
+            for origin, mark in marks.items():
+                if mark > self._holds.get(origin, 0):
+                    self._holds[origin] = mark
+                    self._holds_dirty = True
+        self._report_holds()
+
+    def _report_holds(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or (self._holds_dirty and now - self._holds_reported >= HOLDS_INTERVAL):
+            self._holds_dirty = False
+            self._holds_reported = now
+            self._ctx.report(messages.PeerHolds(peer=self._peer, database=self._database, complete=dict(self._holds)))
 
     async def _send_batch(self, message: wire.Message) -> None:
         while self._sent - self._acked >= self._settings.window:
@@ -119,6 +148,8 @@ class Sender:
         self._check_gone()
         await frames.send(self._ws, message)
         self._sent += 1
+        if isinstance(message, wire.Batch) and message.marks:
+            self._unacked.append((self._sent, dict(message.marks)))
 
     def _check_gone(self) -> None:
         if self._gone is not None:
@@ -152,6 +183,7 @@ class Sender:
                     await self._send_batch(wire.Batch(entries=[], head_seq=db.last_seq(), caught_up=True))
                     told_caught_up = True
                 await feed.wait(timeout=1.0)
+                self._report_holds()  # the last acknowledged marks of an idle session still get reported
                 continue
             head = db.last_seq()
             chunks = self._chunks(entries)

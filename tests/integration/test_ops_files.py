@@ -55,6 +55,12 @@ EXPORTED: dict[str, frozenset[str]] = {
     "replicator_databases_recovering": frozenset(),
     "replicator_clock_skew_refusals_total": frozenset({"peer"}),
     "replicator_peer_clock_offset_seconds": frozenset({"peer"}),
+    # Issue 8: anti-entropy and the scrub.
+    "replicator_antientropy_rounds_total": frozenset({"peer", "database"}),
+    "replicator_antientropy_failures_total": frozenset({"peer", "database"}),
+    "replicator_antientropy_records_repaired_total": frozenset({"peer", "database"}),
+    "replicator_antientropy_divergent_buckets": frozenset({"peer", "database"}),
+    "replicator_checksum_failures_total": frozenset({"database"}),
 }
 # Labels Prometheus attaches to every series of a target (prometheus.yml gives each target its `node`).
 TARGET_LABELS = frozenset({"job", "instance", "node"})
@@ -72,6 +78,11 @@ LOG_EVENTS = [
     "wedge_redrive",
     "stall_kick",
     "send_auth_refused",
+    # Issue 8: what anti-entropy and the scrub report.
+    "divergence_repaired",
+    "antientropy_failed",
+    "checksum_failed",
+    "scrub_failed",
 ]
 
 
@@ -313,6 +324,7 @@ def scenario(inputs: list[dict[str, str]], *checks: dict[str, Any]) -> dict[str,
 
 
 RSS = "replicator_worker_rss_bytes"
+REPAIRED = "replicator_antientropy_records_repaired_total"
 SCENARIOS = [
     # The node stops answering at 2m; the alert waits 2 minutes for systemd's restart.
     scenario(
@@ -433,6 +445,33 @@ SCENARIOS = [
     scenario(
         [series("replicator_clock_skew_refusals_total", "0 1 2 2x40", peer="b")],
         quiet("30m", "ReplicatorClockSkew"),
+    ),
+    # A record repaired every few minutes, from two peers, for 5 hours: something keeps making copies differ.
+    scenario(
+        [
+            series(REPAIRED, "0+1x300", peer="b", database="orders"),
+            series(REPAIRED, "0+0.5x300", peer="c", database="orders"),
+            series(REPAIRED, "0x300", peer="b", database="system"),
+        ],
+        quiet("2h", "ReplicatorRepairsRecurring"),
+        fires("4h", "ReplicatorRepairsRecurring", "warning", database="orders"),
+    ),
+    # One burst of repairs (a node back from a long outage, a restored file), then none: no page.
+    scenario(
+        [series(REPAIRED, "0 500 500x300", peer="b", database="orders")],
+        quiet("30m", "ReplicatorRepairsRecurring"),
+        quiet("4h", "ReplicatorRepairsRecurring"),
+    ),
+    scenario(
+        [series("replicator_checksum_failures_total", "0x5 1x30", database="orders")],
+        quiet("4m", "ReplicatorChecksumFailures"),
+        fires("8m", "ReplicatorChecksumFailures", "warning", database="orders"),
+        quiet("25m", "ReplicatorChecksumFailures"),
+    ),
+    # A node restarted with failures counted before: a steady counter is no news.
+    scenario(
+        [series("replicator_checksum_failures_total", "3x30", database="orders")],
+        quiet("20m", "ReplicatorChecksumFailures"),
     ),
 ]
 

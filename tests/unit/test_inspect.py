@@ -1,8 +1,11 @@
-"""`replicator status`: the readable table names what routing and recovery are doing."""
+"""`replicator status` and `replicator verify`: the readable tables name what routing, recovery and anti-entropy
+are doing, and `verify --json` prints one object of a fixed shape."""
 
 from __future__ import annotations
 
-from coordinator.inspect import render_status
+import json
+
+from coordinator.inspect import render_status, render_verify, verify_document
 
 
 def test_status_names_failed_over_origins_and_recovering_databases() -> None:
@@ -24,3 +27,126 @@ def test_status_names_failed_over_origins_and_recovering_databases() -> None:
 def test_status_of_a_node_without_routing_news_has_no_such_lines() -> None:
     text = render_status({"node": "a", "url": "wss://a:1", "workers": [], "connections": []})
     assert "failed over" not in text and "recovering" not in text
+
+
+def _pair(database: str, antientropy: dict | None) -> dict:
+    return {
+        "database": database,
+        "connected": True,
+        "worker": 0,
+        "setup_pending": False,
+        "reconnect_attempts": 0,
+        "last_received_seq": 5,
+        "lag_seconds": 0.0,
+        "last_error": None,
+        "antientropy": antientropy,
+    }
+
+
+def _round(at: float, repaired: int = 0, error: str | None = None) -> dict:
+    return {
+        "at": at,
+        "seconds": 0.2,
+        "buckets_compared": 33,
+        "divergent_buckets": 1 if repaired else 0,
+        "repaired": repaired,
+        "bytes": 900,
+        "error": error,
+    }
+
+
+def test_status_shows_each_pairs_last_round_and_the_scrubs_findings() -> None:
+    now = 1_700_000_000.0
+    text = render_status(
+        {
+            "node": "a",
+            "url": "wss://a:1",
+            "workers": [],
+            "connections": [
+                {
+                    "peer": "b",
+                    "databases": [
+                        _pair("orders", _round(now - 125, repaired=3)),
+                        _pair("system", None),
+                        _pair("users", _round(now - 30, error="peer unreachable")),
+                    ],
+                }
+            ],
+            "scrub": {
+                "orders": {"at": now - 7200, "rows": 1500, "damaged": 2, "digests_fixed": 1},
+                "system": {"at": now - 7200, "rows": 4, "damaged": 0, "digests_fixed": 0},
+            },
+        },
+        now,
+    )
+    lines = text.splitlines()
+    start = next(index for index, line in enumerate(lines) if line.startswith("peer "))
+    header, _, orders, system, users = lines[start : start + 5]
+    assert "anti-entropy" in header
+    assert "2m ago, 3 fixed" in orders
+    assert system.split()[-1] == "-"
+    assert "30s ago FAILED" in users
+    assert "anti-entropy failed: users with b: peer unreachable" in text
+    assert "scrub: orders had 2 damaged records and 1 wrong bucket digests 2h ago" in text
+    assert "scrub: system" not in text
+
+
+def _digests(**by_node: str | None) -> dict:
+    return {
+        node: ({"items": {"count": 3, "digest": digest}} if digest is not None else None)
+        for node, digest in by_node.items()
+    }
+
+
+def test_verify_json_document_without_and_with_repairs() -> None:
+    same = verify_document(["a", "b"], {"orders": _digests(a="ff00", b="ff00")})
+    assert same == {"identical": True, "nodes": ["a", "b"], "databases": 1, "differences": []}
+    assert json.loads(json.dumps(same)) == same
+    rounds = {
+        "a": [
+            {
+                "peer": "b",
+                "database": "orders",
+                "buckets_compared": 33,
+                "divergent_buckets": 2,
+                "repaired": 4,
+                "bytes": 900,
+                "seconds": 0.1,
+                "error": None,
+            }
+        ],
+        "b": [],
+    }
+    differ = verify_document(
+        ["a", "b"], {"orders": _digests(a="ff00", b="ee11"), "users": _digests(a="aa", b=None)}, rounds
+    )
+    assert differ["identical"] is False and differ["databases"] == 2
+    assert differ["differences"] == ["orders/items: a=3/ff00 b=3/ee11", "users: missing on b"]
+    assert differ["repairs"] == rounds
+
+
+def test_verify_rendering_reports_what_each_node_repaired() -> None:
+    failed = {
+        "peer": "c",
+        "database": "orders",
+        "buckets_compared": 0,
+        "divergent_buckets": 0,
+        "repaired": 0,
+        "bytes": 0,
+        "seconds": 0.0,
+        "error": "the pair is not connected",
+    }
+    repaired = {**failed, "peer": "b", "divergent_buckets": 2, "repaired": 4, "error": None}
+    document = verify_document(
+        ["a", "b", "c"],
+        {"orders": _digests(a="ff00", b="ff00", c="ff00")},
+        {"a": [repaired, failed], "b": [{**failed, "peer": "a", "error": None}]},
+    )
+    assert render_verify(document).splitlines() == [
+        "repaired on a: orders from b: 4 records (2 buckets differed)",
+        "round failed on a: orders with c: the pair is not connected",
+        "nothing to repair on b (1 rounds)",
+        "identical: 1 databases on a, b, c",
+    ]
+    different = verify_document(["a", "b"], {"orders": _digests(a="ff00", b="ee11")})
+    assert render_verify(different).splitlines() == ["DIFFERENT on a, b:", "  orders/items: a=3/ff00 b=3/ee11"]

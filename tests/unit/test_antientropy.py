@@ -1,0 +1,256 @@
+"""Anti-entropy rounds between two real databases in one process, through the encoded query protocol."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from contextlib import closing
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from shared import digests
+from shared.store import Database, Store
+from shared.wire import Entry
+from tests.unit.test_store import FakeClock
+from workers.antientropy import (
+    BadQuery,
+    Children,
+    Fetch,
+    Roots,
+    Round,
+    RoundResult,
+    Rows,
+    Transport,
+    decode_query,
+    encode,
+    local_transport,
+)
+
+
+class Nodes:
+    def __init__(self, root: Path) -> None:
+        self.clock = FakeClock()
+        self.a = Store(root / "a", "a", clock=self.clock, synchronous="OFF").database("d", create=True)
+        self.b = Store(root / "b", "b", clock=self.clock, synchronous="OFF").database("d", create=True)
+
+    def write(self, count: int, table: str = "t") -> None:
+        """`count` records on a, copied to b as replication would."""
+        self.a.put_many(table, [(f"k{i}", f"value {i}".encode()) for i in range(count)])
+        self.b.apply_batch(self.a.origin_entries("a", 0, 10**9))
+
+
+def _sql(db: Database, statement: str, *args: object) -> None:
+    with closing(sqlite3.connect(db.path)) as conn:
+        conn.execute(statement, args)
+        conn.commit()
+
+
+def _round(puller: Database, source: Database | Transport, rate: float = 0.0, **kwargs: object) -> RoundResult:
+    transport = local_transport(source) if isinstance(source, Database) else source
+    return asyncio.run(Round(puller, transport, rate=rate, **kwargs).run())  # type: ignore[arg-type]
+
+
+def _scrub(db: Database) -> int:
+    after: int | None = 0
+    found = 0
+    while after is not None:
+        after, damaged = db.scrub(after, 100)
+        found += len(damaged)
+    return found
+
+
+@pytest.fixture
+def nodes(tmp_path: Path) -> Nodes:
+    return Nodes(tmp_path)
+
+
+def test_identical_databases_exchange_only_their_roots(nodes: Nodes) -> None:
+    nodes.write(3000)
+    result = _round(nodes.b, nodes.a)
+    assert (result.repaired, result.divergent_buckets, result.error) == (0, 0, "")
+    assert result.buckets_compared == 1
+    assert result.bytes_exchanged < 100
+
+
+def test_edits_behind_the_back_are_repaired_and_counted_exactly(nodes: Nodes) -> None:
+    nodes.write(3000)
+    _sql(nodes.b, "DELETE FROM records WHERE id IN ('k1', 'k2')")  # lost
+    _sql(nodes.b, "UPDATE records SET value = X'00' WHERE id = 'k3'")  # changed in place
+    _sql(nodes.b, "UPDATE records SET version = version + 1 WHERE id = 'k4'")  # changed, version too
+    _sql(
+        nodes.b,
+        "INSERT INTO records (tbl, id, value, version, origin, tombstone) VALUES ('t', 'extra', X'01', 5, 'a', 0)",
+    )
+    assert _scrub(nodes.b) == 3  # k3, k4 and the row nobody wrote
+    result = _round(nodes.b, nodes.a)
+    assert result.repaired == 5 and result.error == ""
+    assert result.divergent_buckets == 5
+    assert nodes.b.digest() == nodes.a.digest()
+    assert nodes.b.get("t", "k3").value == b"value 3"
+    assert nodes.b.get("t", "extra") is None
+    again = _round(nodes.b, nodes.a)
+    assert (again.repaired, again.divergent_buckets) == (0, 0)
+
+
+def test_a_million_to_ten_exchange_is_small_in_bytes(nodes: Nodes) -> None:
+    """Not a million, but the same shape: the bytes grow with the differences, not with the table."""
+    nodes.write(20_000)
+    for i in range(0, 10_000, 1000):
+        nodes.a.put("t", f"k{i}", b"newer")
+    result = _round(nodes.b, nodes.a)
+    assert result.repaired == 10
+    assert result.bytes_exchanged < 40_000
+    assert nodes.b.digest() == nodes.a.digest()
+
+
+def test_a_delete_is_not_resurrected_in_either_direction(nodes: Nodes) -> None:
+    nodes.write(10)
+    nodes.clock.advance(1)
+    nodes.a.delete("t", "k5")
+    assert _round(nodes.a, nodes.b).repaired == 0  # b's live, older k5 loses to a's tombstone
+    assert _round(nodes.b, nodes.a).repaired == 1  # b takes the tombstone
+    assert nodes.b.get("t", "k5") is None
+    assert nodes.b.digest() == nodes.a.digest()
+
+
+def test_two_nodes_missing_different_writes_repair_each_other(nodes: Nodes) -> None:
+    nodes.write(500)
+    nodes.a.put("t", "only-a", b"1")
+    nodes.b.put("t", "only-b", b"2")
+    nodes.b.put("u", "other-table", b"3")
+    assert _round(nodes.a, nodes.b).repaired == 2
+    assert _round(nodes.b, nodes.a).repaired == 1
+    assert nodes.a.digest() == nodes.b.digest()
+
+
+def test_a_damaged_row_nobody_else_holds_is_removed(nodes: Nodes) -> None:
+    nodes.write(10)
+    nodes.b.put("t", "mine", b"only here")
+    _sql(nodes.b, "UPDATE records SET value = X'00' WHERE id = 'mine'")
+    _scrub(nodes.b)
+    assert _round(nodes.b, nodes.a).repaired == 1
+    assert nodes.b.digest() == nodes.a.digest()
+
+
+def test_damage_on_the_serving_side_is_not_served(nodes: Nodes) -> None:
+    nodes.write(10)
+    nodes.clock.advance(1)
+    nodes.a.put("t", "k1", b"newer on a")
+    _sql(nodes.a, "UPDATE records SET value = X'00' WHERE id = 'k1'")  # not scrubbed yet: found when served
+    result = _round(nodes.b, nodes.a)
+    assert result.repaired == 0
+    assert nodes.b.get("t", "k1").value == b"value 1"
+    assert nodes.a.checksum_failures == 1
+    # a pulls its repair from b: b's older healthy version replaces the damaged one
+    assert _round(nodes.a, nodes.b).repaired == 1
+    assert nodes.a.get("t", "k1").value == b"value 1"
+
+
+def test_repairs_are_paced(nodes: Nodes) -> None:
+    nodes.write(400)
+    _sql(nodes.b, "DELETE FROM records WHERE id LIKE 'k1%'")  # 111 records
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    result = _round(nodes.b, nodes.a, rate=50.0, sleep=sleep)
+    assert result.repaired == 111
+    assert sum(slept) == pytest.approx(111 / 50.0)
+
+
+def test_records_ahead_of_the_clock_ceiling_are_not_pulled(nodes: Nodes) -> None:
+    nodes.write(5)
+    nodes.clock.advance(3600)
+    nodes.a.put("t", "future", b"x")
+    result = _round(nodes.b, nodes.a, ceiling=lambda: 1)
+    assert result.repaired == 0 and nodes.b.get("t", "future") is None
+
+
+def test_a_peer_that_answers_garbage_ends_the_round_with_an_error(nodes: Nodes) -> None:
+    nodes.write(5)
+
+    async def garbage(body: bytes) -> bytes:
+        return b"\xc1 not msgpack"
+
+    result = _round(nodes.b, garbage)
+    assert "does not decode" in result.error
+
+
+def test_a_peer_that_serves_what_was_not_asked_is_ignored(nodes: Nodes) -> None:
+    nodes.write(5)
+    nodes.a.put("t", "new", b"x")
+    honest = local_transport(nodes.a)
+
+    async def sly(body: bytes) -> bytes:
+        query = decode_query(body)
+        if isinstance(query, Fetch):
+            forged = Entry("t", "k0", b"forged", 2**62, "a", False)
+            other_table = Entry("other", "new", b"x", 2**62, "a", False)
+            real = msgspec.msgpack.decode(await honest(body)).get("entries", [])
+            return msgspec.msgpack.encode({"entries": [*real, forged, other_table], "damaged": []})
+        return await honest(body)
+
+    result = _round(nodes.b, sly)
+    assert result.repaired == 1
+    assert nodes.b.get("t", "k0").value == b"value 0"
+    assert nodes.b.tables() == ["t"]
+
+
+@pytest.mark.parametrize(
+    ("query", "message"),
+    [
+        (Roots(database="bad name"), "bad database name"),
+        (Children(database="d", table="t", level=8, nodes=[0]), "level 8"),
+        (Rows(database="d", table="t", level=1, nodes=[16]), "outside level 1"),
+        (Rows(database="d", table="t", level=2, nodes=list(range(300))), "at most"),
+        (Fetch(database="d", table="bad/table", ids=["x"]), "bad table name"),
+        (Fetch(database="d", table="t", ids=["x"] * 2000), "at most"),
+    ],
+)
+def test_bad_queries_are_refused_with_a_reason(query: msgspec.Struct, message: str) -> None:
+    with pytest.raises(BadQuery, match=message):
+        decode_query(encode(query))
+    with pytest.raises(BadQuery, match="not an anti-entropy query"):
+        decode_query(b"\x93\x01\x02\x03")
+
+
+def test_rows_and_children_agree_with_the_stored_buckets(nodes: Nodes) -> None:
+    nodes.write(2000)
+    for prefix in range(digests.FANOUT):
+        (children,) = nodes.a.children("t", 1, [prefix])
+        rows = nodes.a.summaries("t", 1, [prefix])
+        assert sum(count for count, _ in children) == len(rows)
+
+
+def test_a_purged_tombstone_is_not_pulled_back(nodes: Nodes) -> None:
+    nodes.write(10)
+    horizon = nodes.a.delete("t", "k3")
+    assert horizon is not None
+    nodes.b.apply_batch(nodes.a.origin_entries("a", 0, 10**9))
+    everyone = {"a": horizon}
+    assert nodes.a.purge_tombstones(everyone, horizon) == 1
+    assert nodes.a.purge_tombstones(everyone, horizon) == 0  # walked once
+    # b still holds the tombstone: a does not take it back, and b does not take the absence as a loss.
+    assert _round(nodes.a, nodes.b, horizon=lambda: horizon).repaired == 0
+    assert _round(nodes.b, nodes.a, horizon=lambda: horizon).repaired == 0
+    assert nodes.b.purge_tombstones(everyone, horizon) == 1
+    assert nodes.a.digest() == nodes.b.digest()
+    # Before the horizon, the same tombstone is pulled like any record.
+    nodes.a.delete("t", "k4")
+    assert _round(nodes.b, nodes.a, horizon=lambda: horizon).repaired == 1
+
+
+def test_tombstones_stay_until_every_holder_has_them_and_the_horizon_passed(nodes: Nodes) -> None:
+    nodes.write(10)
+    first = nodes.a.delete("t", "k1")
+    nodes.clock.advance(10)
+    second = nodes.a.delete("t", "k2")
+    assert first is not None and second is not None
+    assert nodes.a.purge_tombstones({"a": first - 1}, second) == 0  # a holder lacks both
+    assert nodes.a.purge_tombstones({"a": second}, first) == 1  # only the first is old enough
+    assert nodes.a.fetch("t", ["k1", "k2"])[0][0].id == "k2"
+    assert nodes.a.purge_tombstones({"a": second}, second) == 1
+    assert nodes.a.get("t", "k5") is not None  # live records are never purged
