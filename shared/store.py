@@ -67,7 +67,7 @@ _IN_SIZES = (1, 8, 64, 512)
 # lock for longer than the other processes' busy timeout.
 _PRUNE_CHUNK = 20_000
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 _SCHEMA = (
     # A rowid table on purpose: WITHOUT ROWID keeps whole rows in the key b-tree, which with values of a
@@ -97,30 +97,36 @@ _SCHEMA = (
 # The columns an earlier schema lacks, added in place by `_initialize`.
 _ADDED_COLUMNS = ("bucket INTEGER", "checksum INTEGER")
 
-# The digest machinery, created after the columns exist. A row without a bucket (written by another tool) counts
-# in bucket -1, outside the tree, until the scrub places it; a row without a checksum counts as 0.
-_X_NEW = "coalesce(new.checksum, 0)"
+# The digest machinery, created after the columns exist. The node adds each row it writes to its bucket's digest
+# itself, once per bucket and transaction (`_add_to_digests`: cheaper than a trigger per row); triggers take out
+# what a row held when it is updated or deleted, by anyone. A row without a bucket counts in bucket -1, outside
+# the tree; without a checksum, as 0. Rows added behind the node's back are not counted until the scrub recounts
+# the digests (`check_digests`), which it does at the end of every pass.
 _X_OLD = "coalesce(old.checksum, 0)"
-_ADD_ROW = f"""INSERT INTO digests (tbl, bucket, count, live, xor)
-        VALUES (new.tbl, coalesce(new.bucket, -1), 1, new.tombstone = 0, {_X_NEW})
-        ON CONFLICT (tbl, bucket) DO UPDATE SET count = count + 1, live = live + excluded.live,
-        xor = (xor | excluded.xor) - (xor & excluded.xor);"""
 _REMOVE_ROW = f"""UPDATE digests SET count = count - 1, live = live - (old.tombstone = 0),
         xor = (xor | {_X_OLD}) - (xor & {_X_OLD}) WHERE tbl = old.tbl AND bucket = coalesce(old.bucket, -1);"""
+_ADD_TO_DIGEST = (
+    "INSERT INTO digests (tbl, bucket, count, live, xor) VALUES (?, ?, ?, ?, ?) ON CONFLICT (tbl, bucket)"
+    " DO UPDATE SET count = count + excluded.count, live = live + excluded.live,"
+    " xor = (xor | excluded.xor) - (xor & excluded.xor)"
+)
 _DIGESTS = (
+    # Ids written in sequence share buckets (see shared.digests), so this index grows at a few places per batch.
     "CREATE INDEX IF NOT EXISTS records_by_bucket ON records (tbl, bucket)",
     """CREATE TABLE IF NOT EXISTS digests (
         tbl TEXT NOT NULL, bucket INTEGER NOT NULL, count INTEGER NOT NULL, live INTEGER NOT NULL,
         xor INTEGER NOT NULL, PRIMARY KEY (tbl, bucket)) WITHOUT ROWID""",
-    f"CREATE TRIGGER IF NOT EXISTS records_digest_insert AFTER INSERT ON records BEGIN {_ADD_ROW} END",
+    "DROP TRIGGER IF EXISTS records_digest_insert",
     f"CREATE TRIGGER IF NOT EXISTS records_digest_delete AFTER DELETE ON records BEGIN {_REMOVE_ROW} END",
     "CREATE TRIGGER IF NOT EXISTS records_digest_update AFTER UPDATE OF tbl, tombstone, bucket, checksum"
-    f" ON records BEGIN {_REMOVE_ROW} {_ADD_ROW} END",
+    f" ON records BEGIN {_REMOVE_ROW} END",
 )
-_TRIGGERS = ("records_digest_insert", "records_digest_delete", "records_digest_update")
+_TRIGGERS = ("records_digest_delete", "records_digest_update")
 
 _COLUMNS = "tbl, id, value, version, origin, tombstone"
-_CHECKED = f"{_COLUMNS}, checksum"
+# What verification reads. A value written by another tool may be TEXT, invalid UTF-8 included: read as bytes,
+# it fails its checksum instead of failing the read.
+_CHECKED = "tbl, id, CAST(value AS BLOB), version, origin, tombstone, checksum"
 _UPSERT = (
     f"INSERT INTO records ({_COLUMNS}, bucket, checksum) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
     " ON CONFLICT (tbl, id) DO UPDATE SET value = excluded.value, version = excluded.version,"
@@ -307,21 +313,44 @@ def _add_digests(conn: sqlite3.Connection) -> None:
     node's back), the digests are rebuilt from the rows, since changes made without it did not move them.
     """
     columns = {row[1] for row in conn.execute("PRAGMA table_info(records)")}
-    legacy = "checksum" not in columns
+    # Before version 4 there were no checksums, or (in a development build) ones of another hash.
+    legacy = "checksum" not in columns or conn.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION
     for column in _ADDED_COLUMNS:
         if column.split()[0] not in columns:
             conn.execute(f"ALTER TABLE records ADD COLUMN {column}")
+    present = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'trigger'")}
     if legacy:
-        rows = conn.execute(f"SELECT rowid, {_COLUMNS} FROM records").fetchall()
+        for trigger in present:
+            if trigger.startswith("records_digest_"):
+                conn.execute(f"DROP TRIGGER {trigger}")
+        present = set()
+        rows = conn.execute(
+            "SELECT rowid, tbl, id, CAST(value AS BLOB), version, origin, tombstone FROM records"
+        ).fetchall()
         conn.executemany(
             "UPDATE records SET bucket = ?, checksum = ? WHERE rowid = ?",
             [(*_row(*row)[6:], rowid) for rowid, *row in rows],
         )
-    present = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'trigger'")}
     for statement in _DIGESTS:
         conn.execute(statement)
-    if not present.issuperset(_TRIGGERS):
+    if not present.issuperset(_TRIGGERS) or "records_digest_insert" in present:
         _rebuild_digests(conn)
+
+
+def _add_to_digests(conn: sqlite3.Connection, rows: Iterable[tuple]) -> None:
+    """Add rows just written (laid out as `_row` makes them) to their buckets' digests, one statement per bucket.
+    The update trigger has already taken out what a replaced row held."""
+    cells: dict[tuple[str, int], list[int]] = {}
+    for row in rows:
+        key = (row[0], row[6])
+        cell = cells.get(key)
+        if cell is None:
+            cells[key] = [1, row[5] == 0, row[7]]
+        else:
+            cell[0] += 1
+            cell[1] += row[5] == 0
+            cell[2] ^= row[7]
+    conn.executemany(_ADD_TO_DIGEST, [(tbl, bucket, *cell) for (tbl, bucket), cell in cells.items()])
 
 
 def _count_digests(conn: sqlite3.Connection, table: str | None = None) -> dict[tuple[str, int], list[int]]:
@@ -524,8 +553,12 @@ class Database:
         return version
 
     def _append(self, conn: sqlite3.Connection, rows: list[tuple]) -> None:
-        """Write winning rows to the records and append them to the audit log."""
-        conn.executemany(_UPSERT, rows)
+        """Write winning rows to the records (the last one per record, when a batch holds several) and their
+        digests, and append every one to the audit log."""
+        final = {(row[0], row[1]): row for row in rows}
+        latest = list(final.values()) if len(final) < len(rows) else rows
+        conn.executemany(_UPSERT, latest)
+        _add_to_digests(conn, latest)
         now = self._now()
         conn.executemany(_APPEND, [(*row[:6], now) for row in rows])
         tops: dict[str, int] = {}
@@ -572,15 +605,20 @@ class Database:
         newly = [False] * len(rows)
         try:
             with self._write() as conn:
+                marked: list[tuple] = []
                 for index, row in enumerate(rows):
-                    tbl, record_id, stored = row[0], row[1], row[6]
+                    tbl, record_id, tombstone, stored = row[0], row[1], row[5], row[6]
                     if stored == DAMAGED:
                         continue
+                    bucket = digests.bucket_of(record_id)
                     changed = conn.execute(
                         "UPDATE records SET checksum = ?, bucket = ? WHERE tbl = ? AND id = ? AND checksum IS ?",
-                        (DAMAGED, digests.bucket_of(record_id), tbl, record_id, stored),
+                        (DAMAGED, bucket, tbl, record_id, stored),
                     ).rowcount
                     newly[index] = changed == 1
+                    if changed:
+                        marked.append((tbl, record_id, None, None, None, tombstone, bucket, DAMAGED))
+                _add_to_digests(conn, marked)
         except sqlite3.Error:
             pass
         found = [DamagedRecord(self.name, row[0], row[1], flag) for row, flag in zip(rows, newly, strict=True)]
@@ -914,7 +952,7 @@ class Database:
             result = []
             for prefix in prefixes:
                 rows = conn.execute(
-                    "SELECT id, coalesce(checksum, 0) FROM records WHERE tbl = ? AND bucket = ?",
+                    "SELECT id, bucket, coalesce(checksum, 0) FROM records WHERE tbl = ? AND bucket = ?",
                     (table, digests.bucket_above(level, prefix)),
                 ).fetchall()
                 result.append(digests.children_from_rows(rows, level, prefix))
@@ -939,9 +977,8 @@ class Database:
                         f"SELECT {_CHECKED} FROM records WHERE tbl = ? AND bucket = ?",
                         (table, digests.bucket_above(level, prefix)),
                     )
-                    rows.extend(
-                        row for row in candidates if digests.prefix_of(digests.key_hash(row[1]), level) == prefix
-                    )
+                    bucket = digests.bucket_above(level, prefix)
+                    rows.extend(row for row in candidates if digests.path(bucket, row[1], level) == prefix)
         damaged = [row for row in rows if not _intact(row)]
         if damaged:
             self._damaged(damaged)
