@@ -95,6 +95,9 @@ class Node:
         self.recovering: set[str] = set()
         self.recoveries: dict[str, dict[str, Any]] = {}
         self.peer_clock: dict[str, float] = {}  # peer -> its wall clock minus ours, from the last handshake
+        # (database, peer) -> what the peer holds complete of each origin, as our senders last saw it acknowledged:
+        # a tombstone is purged only once every holder has it.
+        self.peer_holds: dict[tuple[str, str], dict[str, int]] = {}
         self.regressions: dict[str, int] = {}  # database -> the floor of its latest regression (see Database.regress)
         self.regressed_at: dict[str, float] = {}  # only sessions connected after it count for that recovery
         self._registry_synced = False
@@ -357,6 +360,8 @@ class Node:
                 self._drop_pair(entry, database)
 
     def on_node_removed(self, name: str) -> None:
+        for key in [key for key in self.peer_holds if key[1] == name]:
+            del self.peer_holds[key]
         entry = self.map.by_peer(name)
         if entry is not None:
             self._drop_entry(entry, "node removed")
@@ -607,6 +612,8 @@ class Node:
                     self.antientropy.note_database(name)
             case messages.AntiEntropyDone():
                 self.antientropy.on_done(message)
+            case messages.PeerHolds(peer=peer, database=database, complete=complete):
+                self.peer_holds[(database, peer)] = complete
 
     def _on_connected(
         self, slot: int, key: str, database: str, worker: int, session: int, head: int, now: float
@@ -855,6 +862,41 @@ class Node:
                 self.prune_audit()
             except Exception as exc:
                 log.warning("audit_prune_failed", error=repr(exc))
+            for database, floors in self.tombstone_floors().items():
+                try:
+                    await asyncio.to_thread(self.purge_tombstones, database, floors)
+                except Exception as exc:
+                    log.warning("tombstone_purge_failed", database=database, error=repr(exc))
+
+    def tombstone_floors(self) -> dict[str, dict[str, int]]:
+        """Per database this node holds, the version of each origin up to which every holder holds it complete.
+
+        The holders are the registered nodes that advertise the database; each must have subscribed here and
+        acknowledged what it holds (`peer_holds`), or the database is left out: a holder that has not said what
+        it has may still lack a delete, and a repair from it must not find the record gone without a trace."""
+        assert self.store is not None
+        floors: dict[str, dict[str, int]] = {}
+        for name in self.store.names():
+            holders = [view.name for view in self.views.values() if name in view.holds and view.name != self.name]
+            reports = [self.peer_holds.get((name, holder)) for holder in holders]
+            if any(report is None for report in reports):
+                continue
+            own = self.store.database(name).origins()
+            found = {
+                origin: min([held.complete, *(report.get(origin, 0) for report in reports if report is not None)])
+                for origin, held in own.items()
+            }
+            floors[name] = {origin: floor for origin, floor in found.items() if floor > 0}
+        return floors
+
+    def purge_tombstones(self, database: str, floors: dict[str, int]) -> int:
+        """Remove the tombstones of `database` every holder has that are older than tombstone_retention."""
+        assert self.store is not None
+        horizon = int((self.wall() - self.config.replication.tombstone_retention) * 1_000_000)
+        purged = self.store.database(database).purge_tombstones(floors, horizon)
+        if purged:
+            log.info("tombstones_purged", database=database, records=purged)
+        return purged
 
     def prune_audit(self) -> int:
         """Drop the audit entries past the retention window. The log is history: replication streams serve the

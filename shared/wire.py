@@ -27,7 +27,7 @@ import msgspec
 
 SUBPROTOCOL = "replicator.v1"
 PROTOCOL_VERSION = 2
-CAPABILITIES = ["origins", "exclude"]
+CAPABILITIES = ["origins", "exclude", "holds"]
 
 CLOSE_NORMAL = 1000
 CLOSE_GOING_AWAY = 1001
@@ -87,7 +87,14 @@ class Ack(msgspec.Struct, tag="ack", kw_only=True):
     seq: int  # how many batches the subscriber has applied on this session
 
 
-Message = Hello | Subscribe | Schema | Batch | Ack
+class Holds(msgspec.Struct, tag="holds", kw_only=True):
+    """Subscriber -> sender, now and then (capability "holds"): what the subscriber holds complete of every origin,
+    those it gets over other links included. The sender's node purges a tombstone only once every holder has it."""
+
+    progress: dict[str, int]
+
+
+Message = Hello | Subscribe | Schema | Batch | Ack | Holds
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

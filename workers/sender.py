@@ -111,6 +111,9 @@ class Sender:
         try:
             while True:
                 message = await frames.receive(self._ws)
+                if isinstance(message, wire.Holds):
+                    self._take_holds(message.progress)
+                    continue
                 if not isinstance(message, wire.Ack):
                     raise wire.ProtocolViolation(f"expected Ack, got {type(message).__name__}")
                 self._acked += 1
@@ -122,6 +125,18 @@ class Sender:
             self._gone = wire.ProtocolViolation(exc.reason, exc.close_code)
         self._room.set()
         self._ctx.feeds.poke(db.name)
+
+    def _take_holds(self, progress: dict[str, int]) -> None:
+        """The subscriber says what it holds, every origin included (see `wire.Holds`)."""
+        if len(progress) > MAX_ORIGINS:
+            raise wire.ProtocolViolation(f"Holds names {len(progress)} origins; at most {MAX_ORIGINS}")
+        for origin, version in progress.items():
+            if not NAME_RE.match(origin) or not 0 <= version <= MAX_VERSION:
+                raise wire.ProtocolViolation(f"bad Holds entry {origin[:70]!r}: {version}")
+            if version > self._holds.get(origin, 0):
+                self._holds[origin] = version
+                self._holds_dirty = True
+        self._report_holds(force=self._holds_dirty)
 
     def _confirm(self, acked: int) -> None:
         """Batches up to `acked` arrived: their marks are held by the subscriber now."""

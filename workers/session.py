@@ -31,6 +31,7 @@ from workers.context import WorkerContext
 HANDSHAKE_TIMEOUT = 15.0
 DIAL_TIMEOUT = 15.0
 PROGRESS_INTERVAL = 0.5
+HOLDS_INTERVAL = 5.0
 
 
 class State(enum.Enum):
@@ -342,6 +343,30 @@ class PeerSession:
             )
         )
         self._report_progress(session, force=True)
+        sending = asyncio.Lock()
+        holds = None
+        if "holds" in hello.capabilities:
+            holds = self._loop.create_task(self._send_holds(ws, db, dict(progress), sending))
+        try:
+            await self._receive(ws, db, session, sending)
+        finally:
+            if holds is not None:
+                holds.cancel()
+                await asyncio.gather(holds, return_exceptions=True)
+
+    async def _send_holds(self, ws: Any, db: Any, sent: dict[str, int], sending: asyncio.Lock) -> None:
+        """Tell the sender what this node holds, when it changed, every HOLDS_INTERVAL: origins it gets over other
+        links too, which the sender cannot see from its own acknowledged marks."""
+        while True:
+            await asyncio.sleep(HOLDS_INTERVAL)
+            progress = db.progress()
+            if progress != sent:
+                async with sending:
+                    await frames.send(ws, wire.Holds(progress=progress))
+                sent = progress
+
+    async def _receive(self, ws: Any, db: Any, session: int, sending: asyncio.Lock) -> None:
+        ctx = self._ctx
         labels = (self.database, self.peer)
         batches = 0
         while True:
@@ -351,7 +376,8 @@ class PeerSession:
             self._check_clock(message)
             applied = db.apply_batch(message.entries, message.marks)
             batches += 1
-            await frames.send(ws, wire.Ack(seq=batches))
+            async with sending:
+                await frames.send(ws, wire.Ack(seq=batches))
             self.applied += applied
             if applied:
                 ctx.counters.inc("replicator_records_applied_total", *labels, value=applied)

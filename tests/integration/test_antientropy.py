@@ -7,6 +7,7 @@ the anti-entropy rounds (`replication.antientropy_interval`, a few seconds here)
 
 from __future__ import annotations
 
+import asyncio
 import re
 import shutil
 import sqlite3
@@ -226,5 +227,52 @@ async def test_bytes_damaged_on_disk_are_never_served_and_are_repaired(make_clus
         await wait_for(served, 2 * 6.0 + 20, "the damaged record repaired on b")
         await _converged_within(cluster, 30, [DATABASE], {"target"})
         assert await _metric(cluster, "b", "replicator_checksum_failures_total", database=DATABASE) >= 1
+    finally:
+        await cluster.close()
+
+
+def _tombstones(cluster: LocalCluster, name: str) -> set[str]:
+    with closing(sqlite3.connect(f"file:{_file(cluster, name)}?mode=ro", uri=True)) as conn:
+        return {row[0] for row in conn.execute("SELECT id FROM records WHERE tombstone = 1")}
+
+
+async def test_a_delete_outlives_a_holder_that_missed_it_and_is_purged_once_everyone_has_it(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    # A new database's clock starts max_clock_skew ahead of the wall clock (see shared.store), and a tombstone's
+    # age counts from its version: a small skew keeps the wait for the retention short.
+    replication = {**ANTIENTROPY, "tombstone_retention": 1.0, "prune_interval": 0.5, "max_clock_skew": 2.0}
+    cluster = make_cluster(["a", "b", "c"], workers=1, replication=replication)
+    cluster.start()
+    try:
+        await cluster.wait_ready()
+        await write_many(cluster, "a", DATABASE, "t", [f"r{i:03d}" for i in range(50)], {"v": 1})
+        await cluster.wait_converged(DATABASE, timeout=60, expect_count=50)
+        await cluster.wait_connected(timeout=30, databases=[DATABASE])
+        assert cluster["c"].stop() == 0  # c holds every record and will miss the deletes
+        for record_id in ("r001", "r002", "r003"):
+            assert (await cluster.data("a", "DELETE", f"/data/{DATABASE}/t/{record_id}"))[0] == 200
+        await cluster.wait_converged(DATABASE, ["a", "b"], timeout=30, expect_count=47)
+        # Well past the retention, and a and b have pruned many times: c has not said it has them, so they stay.
+        aged = replication["max_clock_skew"] + replication["tombstone_retention"]
+        await asyncio.sleep(aged + 4 * replication["prune_interval"])
+        assert {"r001", "r002", "r003"} <= _tombstones(cluster, "a") & _tombstones(cluster, "b")
+
+        cluster["c"].start()
+        await cluster.wait_ready(["c"])
+        await cluster.wait_converged(DATABASE, timeout=60, expect_count=47)
+
+        async def purged_everywhere() -> bool:
+            return all(not _tombstones(cluster, name) for name in cluster.nodes)
+
+        started = time.monotonic()
+        await wait_for(purged_everywhere, 60, "the tombstones purged on every node once all held them")
+        print(f"purged {time.monotonic() - started:.1f} s after c caught up")
+        await cluster.wait_converged(DATABASE, timeout=2 * INTERVAL + 10, expect_count=47)
+        # Rounds after the purge bring nothing back.
+        await asyncio.sleep(2 * INTERVAL)
+        for name in cluster.nodes:
+            for record_id in ("r001", "r002", "r003"):
+                assert (await cluster.data(name, "GET", f"/data/{DATABASE}/t/{record_id}"))[0] == 404, name
+        await _converged_within(cluster, 10, [DATABASE])
+        assert any(e["database"] == DATABASE for e in cluster["a"].events("tombstones_purged"))
     finally:
         await cluster.close()
