@@ -8,12 +8,15 @@ the anti-entropy rounds (`replication.antientropy_interval`, a few seconds here)
 from __future__ import annotations
 
 import asyncio
+import io
 import re
 import shutil
 import sqlite3
 import time
 from contextlib import closing
 from pathlib import Path
+
+import msgspec
 
 from coordinator.local_cluster import LocalCluster
 from tests.integration.conftest import FAST, audit_duplicates, wait_for, write_many
@@ -276,3 +279,45 @@ async def test_a_delete_outlives_a_holder_that_missed_it_and_is_purged_once_ever
         assert any(e["database"] == DATABASE for e in cluster["a"].events("tombstones_purged"))
     finally:
         await cluster.close()
+
+
+async def test_hostile_anti_entropy_queries_are_refused_with_a_reason(mesh: LocalCluster, tmp_path: Path) -> None:
+    from shared.tls import client_context, issue_node_cert
+    from workers.antientropy import Fetch, Roots, RootsReply, encode
+
+    ca = mesh.dir / "ca"
+    url = mesh["a"].url.replace("wss://", "https://") + "/replication/antientropy"
+    await write_many(mesh, "a", "hostile_ae", "t", ["x"], {"v": 1})
+
+    async def ask(context: object, body: bytes) -> tuple[int, bytes]:
+        async with mesh.http.post(url, data=io.BytesIO(body), ssl=context) as response:
+            return response.status, await response.read()
+
+    assert (await ask(client_context(ca / "ca.pem"), encode(Roots(database="hostile_ae"))))[0] == 401
+    cert, key = issue_node_cert(ca, "stranger", ["127.0.0.1"], tmp_path / "stranger")
+    assert (await ask(client_context(ca / "ca.pem", cert, key), encode(Roots(database="hostile_ae"))))[0] == 403
+
+    cert, key = issue_node_cert(ca, "probe_ae", ["127.0.0.1"], tmp_path / "probe")
+    status, _ = await mesh.admin_request(
+        "a", "PUT", "/nodes/probe_ae", {"url": "wss://127.0.0.1:9", "replicates": False}
+    )
+    assert status == 200
+    context = client_context(ca / "ca.pem", cert, key)
+    for body, expected, reason in [
+        (b"\xc1garbage", 400, b"not an anti-entropy query"),
+        (encode(Roots(database="no_such_db")), 404, b"unknown database"),
+        (encode(Fetch(database="hostile_ae", table="t", ids=["x"] * 5000)), 400, b"at most"),
+        (b"x" * (2 * 1024 * 1024), 413, b""),
+    ]:
+
+        async def refused(body: bytes = body) -> tuple[int, bytes] | None:
+            found = await ask(context, body)
+            return found if found[0] != 403 else None  # the probe's registry row may still be on its way
+
+        status, text = await wait_for(refused, 15, "the probe's row to reach a")
+        assert status == expected and reason in text, (status, text)
+    status, body = await ask(context, encode(Roots(database="hostile_ae")))
+    assert status == 200 and "t" in msgspec.msgpack.decode(body, type=RootsReply).tables
+    # Nothing was created, and the node serves as before.
+    assert (await mesh.admin("a", "/digest/no_such_db"))[0] == 404
+    assert (await mesh.data("a", "GET", "/data/hostile_ae/t/x"))[0] == 200

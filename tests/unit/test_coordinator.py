@@ -590,3 +590,37 @@ def test_the_wedge_clock_of_a_pair_that_never_connected_starts_at_its_latest_dis
     node.reconcile()
     loop.advance(1.0)
     assert node.redrives["wedge"] == 2  # system and db, one slot each
+
+
+# -- tombstone purge ---------------------------------------------------------------------------------------------
+
+
+def test_tombstones_wait_for_every_holder_and_the_retention(loop: VirtualTimeLoop, tmp_path: Any) -> None:
+    from shared.store import Store
+
+    node, _ = make_node(loop)
+    node.store = Store(tmp_path, "self")
+    db = node.store.database("db", create=True)
+    db.finish_recovery()  # a new file counts its own writes only once its peers have served theirs back
+    db.put_many("t", [("x", b"1"), ("y", b"2")])
+    tombstone = db.delete("t", "x")
+    assert tombstone is not None
+    for view in (peer("b", 2000), peer("c", 3000), peer("d", 4000, holds=("other",))):
+        node.views[view.name] = view
+    # c, a holder, has not said what it holds: nothing of "db" may go. d does not hold it.
+    node.on_worker_message(0, messages.PeerHolds(peer="b", database="db", complete={"self": tombstone}))
+    assert "db" not in node.tombstone_floors()
+    node.on_worker_message(0, messages.PeerHolds(peer="c", database="db", complete={"self": tombstone - 1}))
+    assert node.tombstone_floors()["db"] == {"self": tombstone - 1}
+    node.on_worker_message(0, messages.PeerHolds(peer="c", database="db", complete={"self": tombstone + 5}))
+    floors = node.tombstone_floors()["db"]
+    assert floors == {"self": tombstone}  # our own file holds up to our newest write
+    node.config.replication.tombstone_retention = 3600.0
+    node.wall = lambda: tombstone / 1e6 + 60  # the tombstone is a minute old: younger than the retention
+    assert node.purge_tombstones("db", floors) == 0
+    node.wall = lambda: tombstone / 1e6 + 3601
+    assert node.purge_tombstones("db", floors) == 1
+    assert db.fetch("t", ["x", "y"])[0][0].id == "y"
+    # A holder removed from the registry no longer holds anything back.
+    node.on_node_removed("c")
+    assert ("db", "c") not in node.peer_holds
