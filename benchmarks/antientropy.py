@@ -4,11 +4,11 @@ on the write path; prints JSON.
 (1) Find and repair. Two stores of two nodes, a and b, hold the same `--records` records (~100-byte values, one
     table; b is built by applying a's `origin_entries` with `apply_batch`, as replication would). Then they are
     made to differ in `--differ` records, of three kinds:
-      - lost on b: the row deleted behind b's back with sqlite3 (the digest triggers see it; no tombstone, so
-        a's copy still wins);
+      - lost on b: the row deleted behind b's back with sqlite3 (the delete trigger takes it out of its bucket's
+        digest; no tombstone, so a's copy still wins);
       - stale on b: a newer write on a that b lacks (written on a only);
-      - damaged on b: its value changed in place with sqlite3, which no trigger sees (the checksum column did not
-        move), then found by a `scrub` pass over b (its time and rows/s are reported) that marks it damaged.
+      - damaged on b: its value changed in place with sqlite3, which moves no digest (the checksum column did not
+        change), then found by a `scrub` pass over b (its time and rows/s are reported) that marks it damaged.
     The rounds, in order: a pulls from b while they differ (it finds the differences and must repair nothing:
     a holds every winner); b pulls from a, the repair (it must repair exactly `--differ` records, and b's
     `digest()` must equal a's afterwards, or the benchmark fails); a pulls from b and b from a again, both idle.
@@ -17,7 +17,8 @@ on the write path; prints JSON.
     but no TLS or HTTP, and both ends' work runs in this process.
 (2) Idle round CPU. Rounds between the two databases, identical by then: CPU seconds (time.process_time, both
     ends) and wall time of each. An idle round exchanges the roots only.
-(3) The write path's cost of the digests (each row's checksum, and the triggers keeping the bucket digests):
+(3) The write path's cost of anti-entropy (each row's checksum and bucket, the bucket index, the bucket digests
+    the writer updates once per bucket and batch, the trigger that takes out a replaced row):
     the store's raw write rate (put_many, batches of 500 records of 200 bytes, a fresh database) and its apply
     rate (apply_batch of 500-record batches of another node's origin_entries, with marks: the replicated
     writes), at this tree and at `--baseline REV` (default 1d4d3a0, the commit before the digests), side by
@@ -32,8 +33,8 @@ on the write path; prints JSON.
     .venv/bin/python benchmarks/antientropy.py --quick
 
 The defaults take about 75 s on two cores (most of it building the two 1M-record databases) and under 1 GB of
-temporary disk; `--quick` (20,000 records, 20,000 writes, one round of each side) about 2 s. The write path's cost
-grows with the size of the database, so the ratios of `--quick` are not those of the defaults.
+temporary disk; `--quick` (20,000 records, 20,000 writes, one round of each side) about 2 s. The ratios of
+`--quick` are noisier than those of the defaults.
 """
 
 from __future__ import annotations

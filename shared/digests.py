@@ -73,6 +73,13 @@ def checksum(table: str, record_id: str, version: int, origin: str, tombstone: b
     return _xxh3(body) >> (64 - CHECKSUM_BITS)
 
 
+def place(table: str, record_id: str, version: int, origin: str, tombstone: int, value: bytes) -> tuple[int, int]:
+    """(bucket_of(record_id), checksum(...)) in one call: the write path computes both for every row."""
+    data = record_id.encode("utf-8", "surrogatepass")
+    body = _encode((table, record_id, version, origin, tombstone != 0, value))
+    return _xxh32(data[:-SIBLING_CHARS]) >> (32 - BUCKET_BITS), _xxh3(body) >> (64 - CHECKSUM_BITS)
+
+
 def path(bucket: int, record_id: str, level: int) -> int:
     """The node at `level` that holds a record of `bucket` (its path's top 4 * level bits)."""
     if level <= STORED_LEVEL:

@@ -55,6 +55,8 @@ from shared.digests import DAMAGED
 from shared.logs import log
 from shared.wire import Entry
 
+_place = digests.place
+
 SUFFIX = ".sqlite"
 SYSTEM = "system"
 NODES = "nodes"
@@ -204,8 +206,7 @@ def _row(tbl: str, record_id: str, value: bytes, version: int, origin: str, tomb
         version,
         origin,
         tombstone,
-        digests.bucket_of(record_id),
-        digests.checksum(tbl, record_id, version, origin, tombstone, value),
+        *_place(tbl, record_id, version, origin, tombstone, value),
     )
 
 

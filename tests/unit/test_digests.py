@@ -277,3 +277,12 @@ def test_insert_or_replace_behind_the_back_is_caught_by_the_digest_check(tmp_pat
     assert [d.id for d in found] == ["a"]
     assert db.check_digests() > 0
     _assert_consistent(db)
+
+
+def test_the_write_paths_shortcut_agrees_with_the_definitions() -> None:
+    for row in [("t", "order-000117", 5, "a", 0, b"v"), ("u", "é", 2**62, "node-b", 1, b""), ("t", "", 1, "a", 0, b"")]:
+        table, record_id, version, origin, tombstone, value = row
+        assert digests.place(*row) == (
+            digests.bucket_of(record_id),
+            digests.checksum(table, record_id, version, origin, tombstone, value),
+        )
