@@ -32,6 +32,7 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/setup_storm.py
 	$(BIN)/python benchmarks/replication_throughput.py
+	$(BIN)/python benchmarks/antientropy.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
