@@ -224,16 +224,21 @@ class AntiEntropy:
 
     def _fire(self, schedule: _Schedule) -> None:
         schedule.timer = None  # it has run
-        if not self._start(schedule):
+        if not self._start(schedule, scheduled=True):
             self._wait(schedule)
 
-    def _start(self, schedule: _Schedule) -> bool:
-        """Send a round to the worker that carries the pair's session; False when it is not connected."""
+    def _start(self, schedule: _Schedule, scheduled: bool = False) -> bool:
+        """Send a round to the worker that carries the pair's session; False when it is not connected. A scheduled
+        round also waits for the pair to be caught up: while the stream still has records to deliver, they are
+        not divergence, and pulling them twice would only take the stream's turn (a round asked for by an
+        operator runs regardless)."""
         if schedule.phase is Phase.CLOSED:
             return False
         entry = self._node.map.get(schedule.key)
         pair = entry.pairs.get(schedule.database) if entry is not None else None
         if pair is None or not pair.connected or pair.worker is None:
+            return False
+        if scheduled and not pair.caught_up:
             return False
         supervisor = self._node.supervisor
         if not supervisor.is_live(pair.worker):

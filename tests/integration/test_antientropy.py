@@ -113,7 +113,7 @@ async def test_edits_behind_the_back_are_repaired_and_counted_exactly(make_clust
             ]
             return rounds if len(rounds) == 2 and all(r is not None for r in rounds) else None
 
-        rounds = await wait_for(every_pair_ran_a_round, 2 * INTERVAL, "a round on each of c's pairs")
+        rounds = await wait_for(every_pair_ran_a_round, 4 * INTERVAL + 10, "a round on each of c's pairs")
         assert sum(r["repaired"] for r in rounds) <= differed and all(not r["error"] for r in rounds), rounds
         print(f"behind-the-back edits repaired {took:.1f} s after restart (interval {INTERVAL} s)")
     finally:

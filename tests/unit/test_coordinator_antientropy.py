@@ -26,7 +26,8 @@ from shared.keys import connection_key
 from shared.logs import EventLog
 from shared.store import Store
 from tests.unit.fakeloop import VirtualTimeLoop
-from tests.unit.test_coordinator import FakeSupervisor, add, connect, make_node, peer
+from tests.unit.test_coordinator import FakeSupervisor, add, make_node, peer
+from tests.unit.test_coordinator import connect as connect_only
 
 INTERVAL = 600.0  # the default replication.antientropy_interval
 WALL = 1_700_000_000.0  # the wall clock at virtual time 0
@@ -47,6 +48,23 @@ def events(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], list[dic
         return [line for line in found if line["event"] == event]
 
     yield lines
+
+
+def connect(node: Node, view: NodeView, database: str, worker: int, session: int, caught_up: bool = True) -> None:
+    """The pair connects and (by default) its sender says it is caught up: scheduled rounds wait for both."""
+    connect_only(node, view, database, worker, session)
+    progress = messages.Progress(
+        key=connection_key(view.url),
+        database=database,
+        worker=worker,
+        session=session,
+        last_received_seq=0,
+        peer_head_seq=0,
+        lag_seconds=0.0,
+        applied=0,
+        caught_up=caught_up,
+    )
+    node.on_worker_message(worker, progress)
 
 
 def setup(loop: VirtualTimeLoop, draws: Callable[[], float] = lambda: 0.5) -> tuple[Node, FakeSupervisor]:
@@ -425,3 +443,24 @@ def test_a_database_opened_at_run_time_is_scrubbed_on_the_schedule(loop: Virtual
         loop.run(node.antientropy.close())
     finally:
         node.store.close()
+
+
+def test_a_scheduled_round_waits_for_the_stream_to_catch_up(loop: VirtualTimeLoop) -> None:
+    node, supervisor = setup(loop)
+    b = peer("b", 2000)
+    add(node, b)
+    connect(node, b, "db", worker=1, session=1, caught_up=False)
+    loop.advance_to(900.0)
+    # Due at 450 s and at 900 s, while the stream was still delivering: each time the next draw, 450 s on.
+    assert rounds(supervisor) == []
+    connect(node, b, "db", worker=1, session=1, caught_up=True)
+    loop.advance_to(1350.0)
+    assert rounds(supervisor) == [(1350.0, 1, "db", 1)]
+    done(node, b, "db", 1, slot=1)
+    connect(node, b, "db", worker=1, session=1, caught_up=False)
+    task = loop.create_task(node.antientropy.run_now("db", timeout=5.0))
+    loop.advance(0.0)
+    assert rounds(supervisor, since=1350.0)[-1] == (1350.0, 1, "db", 2)  # an operator's round does not wait
+    done(node, b, "db", 2, slot=1)
+    loop.advance(0.0)
+    assert [report.error for report in task.result()] == [""]
