@@ -23,6 +23,8 @@ Close codes: 1000 normal, 1001 going away (shutdown), 1002 malformed frame, 1003
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 SUBPROTOCOL = "replicator.v1"
@@ -40,61 +42,88 @@ CLOSE_UNSUBSCRIBED = 4000
 CLOSE_FORCED = 4001
 
 
+# Every number a peer sends is bounded where it is decoded: a sequence, version or mark fits SQLite's signed 63-bit
+# integers, and a wall clock is a finite time between 1970 and the year 5138.
+MAX63 = 2**63 - 1
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX63)]
+Wall = Annotated[float, msgspec.Meta(ge=0.0, le=1e11)]
+FrameSize = Annotated[int, msgspec.Meta(ge=0, le=2**31)]
+
+
 class Entry(msgspec.Struct, array_like=True, frozen=True):
     """One committed record version: what the audit log holds and what travels."""
 
     table: str
     id: str
     value: bytes  # msgpack of the record's value; empty for a tombstone
-    version: int
+    version: Count
     origin: str
     tombstone: bool = False
 
 
 class Hello(msgspec.Struct, tag="hello", kw_only=True):
     node: str
-    protocol: int = PROTOCOL_VERSION
+    protocol: Count = PROTOCOL_VERSION
     capabilities: list[str] = []
-    wall: float = 0.0  # the sender of this Hello's wall clock, seconds since the epoch
+    wall: Wall = 0.0  # the sender of this Hello's wall clock, seconds since the epoch
+    # The largest frame this end accepts (its replication.max_frame_bytes; 0: not said). A sender builds no frame
+    # larger than half of it.
+    max_frame: FrameSize = 0
 
 
 class Subscribe(msgspec.Struct, tag="subscribe", kw_only=True):
     database: str
     # Per origin, the version up to which the subscriber holds every write; origins absent start at 0.
-    progress: dict[str, int] = {}
+    progress: dict[str, Count] = {}
     # Origins the subscriber receives over other links: the sender does not serve them on this session.
     exclude: list[str] = []
     # The subscriber's own origin is served only up to this version (0: not at all). A node has everything it
     # wrote into its file; only a file that lost its history (recovering) asks for its older writes back.
-    own_upto: int = 0
+    own_upto: Count = 0
 
 
 class Schema(msgspec.Struct, tag="schema", kw_only=True):
     database: str
     epoch: str
-    head_seq: int  # the sender's audit sequence, for the subscriber's progress figures
+    head_seq: Count  # the sender's audit sequence, for the subscriber's progress figures
 
 
 class Batch(msgspec.Struct, tag="batch", kw_only=True):
     entries: list[Entry]
     # Per origin: once the subscriber holds this batch it holds every version of the origin up to the mark.
-    marks: dict[str, int] = {}
-    head_seq: int = 0
+    marks: dict[str, Count] = {}
+    head_seq: Count = 0
     caught_up: bool = False  # the sender had nothing more to serve when it made this batch
 
 
 class Ack(msgspec.Struct, tag="ack", kw_only=True):
-    seq: int  # how many batches the subscriber has applied on this session
+    seq: Count  # how many batches the subscriber has applied on this session
 
 
 class Holds(msgspec.Struct, tag="holds", kw_only=True):
     """Subscriber -> sender, now and then (capability "holds"): what the subscriber holds complete of every origin,
     those it gets over other links included. The sender's node purges a tombstone only once every holder has it."""
 
-    progress: dict[str, int]
+    progress: dict[str, Count]
 
 
 Message = Hello | Subscribe | Schema | Batch | Ack | Holds
+
+_validate = msgspec.msgpack.Decoder().decode
+
+
+def bad_value(entries: list[Entry]) -> str | None:
+    """Why a peer's entries must be refused, if one's value is not msgpack (the data API stores every value so; one
+    that is not would be stored, relayed, and then fail every read on every node)."""
+    for entry in entries:
+        if entry.tombstone:
+            continue
+        try:
+            _validate(entry.value)
+        except msgspec.DecodeError as exc:
+            return f"record {entry.table[:64]}/{entry.id[:200]}: the value is not msgpack ({exc})"
+    return None
+
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

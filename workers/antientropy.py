@@ -33,9 +33,10 @@ from typing import TypeVar
 
 import msgspec
 
-from shared import digests
+from shared import digests, wire
 from shared.config import NAME_RE
 from shared.hlc import MAX_VERSION
+from shared.logs import log
 from shared.store import BadName, BadRecord, Database, check_name
 from shared.wire import Entry
 
@@ -322,6 +323,17 @@ class Round:
         entries = [
             entry for entry in reply.entries if entry.table == table and entry.id in wanted and entry.version <= ceiling
         ]
+        # A value that is not msgpack is refused; the rest of the answer still counts.
+        refused = [entry for entry in entries if wire.bad_value([entry]) is not None]
+        if refused:
+            log.warning(
+                "antientropy_value_refused",
+                database=self._db.name,
+                records=len(refused),
+                reason=wire.bad_value(refused[:1]),
+                sample_by=("database",),
+            )
+            entries = [entry for entry in entries if entry not in refused]
         # A row the peer found damaged when it came to serve it: if ours is damaged too, nobody vouches for it.
         drop.extend(record_id for record_id in reply.damaged if record_id in wanted)
         try:

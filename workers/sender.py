@@ -19,7 +19,7 @@ from shared import messages, wire
 from shared.config import NAME_RE
 from shared.hlc import MAX_VERSION
 from shared.logs import log
-from shared.store import Database
+from shared.store import Database, UnknownDatabase
 from workers import frames
 from workers.context import WorkerContext
 
@@ -62,8 +62,17 @@ class Sender:
             # Both ends see the offset before any data moves; only the subscriber refuses (it is the one applying).
             offset = round(hello.wall - self._ctx.wall(), 6)
             self._ctx.report(messages.PeerClock(peer=self._peer, offset_seconds=offset))
+        if hello.max_frame:
+            # Never build a frame the subscriber would refuse: half of the smaller limit.
+            self._frame_budget = min(self._frame_budget, hello.max_frame // 2)
         await frames.send(
-            self._ws, wire.Hello(node=self._ctx.node, capabilities=wire.CAPABILITIES, wall=self._ctx.wall())
+            self._ws,
+            wire.Hello(
+                node=self._ctx.node,
+                capabilities=wire.CAPABILITIES,
+                wall=self._ctx.wall(),
+                max_frame=self._settings.max_frame_bytes,
+            ),
         )
         sub = await frames.expect(self._ws, wire.Subscribe, HANDSHAKE_TIMEOUT)
         db = self._open(sub)
@@ -94,7 +103,11 @@ class Sender:
             if not NAME_RE.match(origin) or not 0 <= version <= MAX_VERSION:
                 raise wire.ProtocolViolation(f"bad resume point {origin[:70]!r}: {version}")
         self._database = sub.database
-        return self._ctx.database(sub.database, create=True)
+        try:
+            # Only a database this node holds is served: a subscription never creates one here.
+            return self._ctx.database(sub.database)
+        except UnknownDatabase:
+            raise wire.Refused(f"database {sub.database!r} is not held by {self._ctx.node}") from None
 
     def _check_regression(self, db: Database, claimed: int) -> None:
         """The subscriber holds our own writes up to `claimed`; above our clock, our file went back in time."""
@@ -116,6 +129,10 @@ class Sender:
                     continue
                 if not isinstance(message, wire.Ack):
                     raise wire.ProtocolViolation(f"expected Ack, got {type(message).__name__}")
+                if message.seq != self._acked + 1 or message.seq > self._sent:
+                    raise wire.ProtocolViolation(
+                        f"Ack {message.seq} after {self._acked} of {self._sent} batches sent: acks count up by one"
+                    )
                 self._acked += 1
                 self._room.set()
                 self._confirm(self._acked)
@@ -176,6 +193,13 @@ class Sender:
         size = 0
         for entry in entries:
             cost = len(entry.value) + len(entry.id) + 64
+            if cost > self._frame_budget:
+                # It fits in no frame the subscriber accepts: say so, rather than send a batch it must refuse.
+                raise wire.Refused(
+                    f"record {entry.table}/{entry.id[:100]} ({cost} bytes) does not fit the subscriber's frame limit"
+                    f" ({2 * self._frame_budget} bytes): raise its replication.max_frame_bytes",
+                    wire.CLOSE_TOO_BIG,
+                )
             if chunks[-1] and size + cost > self._frame_budget:
                 chunks.append([])
                 size = 0

@@ -25,6 +25,7 @@ from shared import messages, wire
 from shared.backoff import Backoff
 from shared.hlc import physical_seconds
 from shared.logs import log
+from shared.store import BadName, BadRecord
 from workers import frames
 from workers.context import WorkerContext
 
@@ -32,6 +33,7 @@ HANDSHAKE_TIMEOUT = 15.0
 DIAL_TIMEOUT = 15.0
 PROGRESS_INTERVAL = 0.5
 HOLDS_INTERVAL = 5.0
+STAYED_UP = 10.0  # a session up this long counts as progress: the reconnect schedule starts over
 
 
 class State(enum.Enum):
@@ -294,7 +296,12 @@ class PeerSession:
     async def _stream(self, ws: Any, session: int) -> None:
         ctx = self._ctx
         settings = ctx.config.replication
-        await frames.send(ws, wire.Hello(node=ctx.node, capabilities=wire.CAPABILITIES, wall=ctx.wall()))
+        await frames.send(
+            ws,
+            wire.Hello(
+                node=ctx.node, capabilities=wire.CAPABILITIES, wall=ctx.wall(), max_frame=settings.max_frame_bytes
+            ),
+        )
         hello = await frames.expect(ws, wire.Hello, HANDSHAKE_TIMEOUT)
         if hello.node != self.peer:
             raise wire.Refused(f"dialled {self.peer!r} but the peer says it is {hello.node!r}")
@@ -316,9 +323,6 @@ class PeerSession:
             wire.Subscribe(database=self.database, progress=progress, exclude=self.sub.exclude, own_upto=own_upto),
         )
         schema = await frames.expect(ws, wire.Schema, HANDSHAKE_TIMEOUT)
-        # The schedule starts over only once the peer has taken the subscription: a session refused at the
-        # handshake keeps backing off.
-        self._backoff.reset()
         self.peer_head_seq = schema.head_seq
         self.caught_up = False
         self.connected = True
@@ -347,9 +351,13 @@ class PeerSession:
         holds = None
         if "holds" in hello.capabilities:
             holds = self._loop.create_task(self._send_holds(ws, db, dict(progress), sending))
+        # The schedule starts over only after real progress: a batch applied, or the session up for STAYED_UP.
+        # A peer whose sessions fail right after the handshake (a full disk, a mute peer) keeps backing off.
+        stayed = self._loop.call_later(STAYED_UP, self._backoff.reset)
         try:
             await self._receive(ws, db, session, sending)
         finally:
+            stayed.cancel()
             if holds is not None:
                 holds.cancel()
                 await asyncio.gather(holds, return_exceptions=True)
@@ -374,7 +382,15 @@ class PeerSession:
             if not isinstance(message, wire.Batch):
                 raise wire.ProtocolViolation(f"unexpected {type(message).__name__} from the sender")
             self._check_clock(message)
-            applied = db.apply_batch(message.entries, message.marks)
+            refusal = wire.bad_value(message.entries)
+            if refusal is not None:
+                raise wire.ProtocolViolation(f"batch refused, nothing applied: {refusal}")
+            try:
+                applied = db.apply_batch(message.entries, message.marks)
+            except (BadRecord, BadName) as exc:
+                raise wire.ProtocolViolation(f"batch refused, nothing applied: {exc}") from None
+            if not batches:
+                self._backoff.reset()
             batches += 1
             async with sending:
                 await frames.send(ws, wire.Ack(seq=batches))

@@ -37,7 +37,7 @@ class Nodes:
 
     def write(self, count: int, table: str = "t") -> None:
         """`count` records on a, copied to b as replication would."""
-        self.a.put_many(table, [(f"k{i}", f"value {i}".encode()) for i in range(count)])
+        self.a.put_many(table, [(f"k{i}", _v(f"value {i}")) for i in range(count)])
         self.b.apply_batch(self.a.origin_entries("a", 0, 10**9))
 
 
@@ -60,6 +60,11 @@ def _scrub(db: Database) -> int:
         found += len(damaged)
     db.check_digests()
     return found
+
+
+def _v(value: object) -> bytes:
+    """A record's value as the data API stores it (anti-entropy refuses a value that is not msgpack)."""
+    return msgspec.msgpack.encode(value)
 
 
 @pytest.fixture
@@ -89,7 +94,7 @@ def test_edits_behind_the_back_are_repaired_and_counted_exactly(nodes: Nodes) ->
     assert result.repaired == 5 and result.error == ""
     assert result.divergent_buckets == len({digests.bucket_of(i) for i in ("k1", "k2", "k3", "k4", "extra")})
     assert nodes.b.digest() == nodes.a.digest()
-    assert nodes.b.get("t", "k3").value == b"value 3"
+    assert nodes.b.get("t", "k3").value == _v("value 3")
     assert nodes.b.get("t", "extra") is None
     again = _round(nodes.b, nodes.a)
     assert (again.repaired, again.divergent_buckets) == (0, 0)
@@ -99,7 +104,7 @@ def test_a_million_to_ten_exchange_is_small_in_bytes(nodes: Nodes) -> None:
     """Not a million, but the same shape: the bytes grow with the differences, not with the table."""
     nodes.write(20_000)
     for i in range(0, 10_000, 1000):
-        nodes.a.put("t", f"k{i}", b"newer")
+        nodes.a.put("t", f"k{i}", _v("newer"))
     result = _round(nodes.b, nodes.a)
     assert result.repaired == 10
     assert result.bytes_exchanged < 40_000
@@ -118,9 +123,9 @@ def test_a_delete_is_not_resurrected_in_either_direction(nodes: Nodes) -> None:
 
 def test_two_nodes_missing_different_writes_repair_each_other(nodes: Nodes) -> None:
     nodes.write(500)
-    nodes.a.put("t", "only-a", b"1")
-    nodes.b.put("t", "only-b", b"2")
-    nodes.b.put("u", "other-table", b"3")
+    nodes.a.put("t", "only-a", _v("1"))
+    nodes.b.put("t", "only-b", _v("2"))
+    nodes.b.put("u", "other-table", _v("3"))
     assert _round(nodes.a, nodes.b).repaired == 2
     assert _round(nodes.b, nodes.a).repaired == 1
     assert nodes.a.digest() == nodes.b.digest()
@@ -128,7 +133,7 @@ def test_two_nodes_missing_different_writes_repair_each_other(nodes: Nodes) -> N
 
 def test_a_damaged_row_nobody_else_holds_is_removed(nodes: Nodes) -> None:
     nodes.write(10)
-    nodes.b.put("t", "mine", b"only here")
+    nodes.b.put("t", "mine", _v("only here"))
     _sql(nodes.b, "UPDATE records SET value = X'00' WHERE id = 'mine'")
     _scrub(nodes.b)
     assert _round(nodes.b, nodes.a).repaired == 1
@@ -138,15 +143,15 @@ def test_a_damaged_row_nobody_else_holds_is_removed(nodes: Nodes) -> None:
 def test_damage_on_the_serving_side_is_not_served(nodes: Nodes) -> None:
     nodes.write(10)
     nodes.clock.advance(1)
-    nodes.a.put("t", "k1", b"newer on a")
+    nodes.a.put("t", "k1", _v("newer on a"))
     _sql(nodes.a, "UPDATE records SET value = X'00' WHERE id = 'k1'")  # not scrubbed yet: found when served
     result = _round(nodes.b, nodes.a)
     assert result.repaired == 0
-    assert nodes.b.get("t", "k1").value == b"value 1"
+    assert nodes.b.get("t", "k1").value == _v("value 1")
     assert nodes.a.checksum_failures == 1
     # a pulls its repair from b: b's older healthy version replaces the damaged one
     assert _round(nodes.a, nodes.b).repaired == 1
-    assert nodes.a.get("t", "k1").value == b"value 1"
+    assert nodes.a.get("t", "k1").value == _v("value 1")
 
 
 def test_repairs_are_paced(nodes: Nodes) -> None:
@@ -165,7 +170,7 @@ def test_repairs_are_paced(nodes: Nodes) -> None:
 def test_records_ahead_of_the_clock_ceiling_are_not_pulled(nodes: Nodes) -> None:
     nodes.write(5)
     nodes.clock.advance(3600)
-    nodes.a.put("t", "future", b"x")
+    nodes.a.put("t", "future", _v("x"))
     result = _round(nodes.b, nodes.a, ceiling=lambda: 1)
     assert result.repaired == 0 and nodes.b.get("t", "future") is None
 
@@ -182,21 +187,21 @@ def test_a_peer_that_answers_garbage_ends_the_round_with_an_error(nodes: Nodes) 
 
 def test_a_peer_that_serves_what_was_not_asked_is_ignored(nodes: Nodes) -> None:
     nodes.write(5)
-    nodes.a.put("t", "new", b"x")
+    nodes.a.put("t", "new", _v("x"))
     honest = local_transport(nodes.a)
 
     async def sly(body: bytes) -> bytes:
         query = decode_query(body)
         if isinstance(query, Fetch):
-            forged = Entry("t", "k0", b"forged", 2**62, "a", False)
-            other_table = Entry("other", "new", b"x", 2**62, "a", False)
+            forged = Entry("t", "k0", _v("forged"), 2**62, "a", False)
+            other_table = Entry("other", "new", _v("x"), 2**62, "a", False)
             real = msgspec.msgpack.decode(await honest(body)).get("entries", [])
             return msgspec.msgpack.encode({"entries": [*real, forged, other_table], "damaged": []})
         return await honest(body)
 
     result = _round(nodes.b, sly)
     assert result.repaired == 1
-    assert nodes.b.get("t", "k0").value == b"value 0"
+    assert nodes.b.get("t", "k0").value == _v("value 0")
     assert nodes.b.tables() == ["t"]
 
 
@@ -255,3 +260,12 @@ def test_tombstones_stay_until_every_holder_has_them_and_the_horizon_passed(node
     assert nodes.a.fetch("t", ["k1", "k2"])[0][0].id == "k2"
     assert nodes.a.purge_tombstones({"a": second}, second) == 1
     assert nodes.a.get("t", "k5") is not None  # live records are never purged
+
+
+def test_a_value_that_is_not_msgpack_is_refused_and_the_rest_repaired(nodes: Nodes) -> None:
+    nodes.write(5)
+    nodes.a.put("t", "poison", b"\xc1")  # written behind the data API's back: not msgpack
+    nodes.a.put("t", "fine", _v("fine"))
+    result = _round(nodes.b, nodes.a)
+    assert result.repaired == 1 and result.error == ""
+    assert nodes.b.get("t", "fine") is not None and nodes.b.get("t", "poison") is None

@@ -14,6 +14,7 @@ import tempfile
 from contextlib import closing
 from pathlib import Path
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -120,7 +121,7 @@ def test_incremental_digests_equal_digests_recomputed_from_scratch(script: list[
                 case ("purge",):
                     db.purge_tombstones({"a": hlc.MAX_VERSION, "b": hlc.MAX_VERSION}, clock.us + 10**6)
                 case ("repair", record_id, value):
-                    peer.put("t", record_id, value)
+                    peer.put("t", record_id, msgspec.msgpack.encode(value))
                     asyncio.run(Round(db, local_transport(peer), rate=0).run())
             if not behind:
                 _assert_consistent(db)

@@ -1,0 +1,253 @@
+"""A hostile peer that holds a cluster certificate and speaks the wire protocol, both ways.
+
+Inbound (it dials the node and subscribes): a subscription for a database the node does not hold is refused and
+creates nothing; acks out of sequence or beyond 63 bits close the session with a reason. Outbound (the node dials
+it, as a registered peer): a batch whose value is not msgpack is refused whole, nothing applied; a peer whose
+sessions always end right after the handshake is redialled on the backoff schedule, not twice a second. Every test
+ends with the node serving and its log still JSON lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from coordinator.local_cluster import LocalCluster, free_ports
+from shared import wire
+from shared.tls import client_context, issue_node_cert, server_context
+from tests.integration.conftest import FAST, wait_for
+
+
+def _log_is_json(cluster: LocalCluster, name: str) -> None:
+    """Every line the node wrote is one JSON object: no traceback got into the log."""
+    for number, line in enumerate(cluster[name].log_path.read_text(errors="replace").splitlines(), 1):
+        try:
+            assert isinstance(json.loads(line), dict)
+        except (ValueError, AssertionError):
+            raise AssertionError(f"{name}'s log line {number} is not a JSON object: {line[:200]!r}") from None
+
+
+async def _register(cluster: LocalCluster, name: str, url: str, replicates: bool) -> None:
+    status, body = await cluster.admin_request("a", "PUT", f"/nodes/{name}", {"url": url, "replicates": replicates})
+    assert status == 200, body
+
+
+async def _closed(ws: Any) -> tuple[int, str]:
+    while True:
+        message = await ws.receive(timeout=10)
+        if message.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.CLOSING):
+            return message.data, message.extra or ""
+
+
+@pytest.fixture
+async def pair(make_cluster: Callable[..., LocalCluster], tmp_path: Path) -> AsyncIterator[tuple[LocalCluster, Path]]:
+    cluster = make_cluster(["a", "b"], workers=1, replication=dict(FAST))
+    cluster.start()
+    await cluster.wait_ready()
+    issue_node_cert(cluster.dir / "ca", "mallet", ["127.0.0.1"], tmp_path / "mallet")
+    try:
+        yield cluster, tmp_path / "mallet"
+    finally:
+        await cluster.close()
+
+
+def _mallet_client(cluster: LocalCluster, folder: Path) -> ssl.SSLContext:
+    return client_context(cluster.dir / "ca" / "ca.pem", folder / "mallet.pem", folder / "mallet.key")
+
+
+async def _dial(cluster: LocalCluster, folder: Path) -> aiohttp.ClientWebSocketResponse:
+    return await cluster.http.ws_connect(
+        cluster["a"].url + "/replication",
+        protocols=[wire.SUBPROTOCOL],
+        ssl=_mallet_client(cluster, folder),
+        autoclose=False,
+    )
+
+
+async def test_inbound_lies_are_refused_and_create_nothing(pair: tuple[LocalCluster, Path]) -> None:
+    cluster, folder = pair
+    await _register(cluster, "mallet", "wss://127.0.0.1:9", replicates=False)
+    assert (await cluster.data("a", "PUT", "/data/real/t/x", {"v": 1}))[0] == 200
+
+    async def allowed() -> bool:
+        ws = await _dial(cluster, folder)
+        await ws.close()
+        return True
+
+    await wait_for(allowed, 15, "mallet's row to reach a's workers")
+
+    # A subscription for a database a does not hold: refused, and no file appears.
+    ws = await _dial(cluster, folder)
+    await ws.send_bytes(wire.encode(wire.Hello(node="mallet", wall=0.0)))
+    await ws.receive(timeout=10)
+    await ws.send_bytes(wire.encode(wire.Subscribe(database="never_made")))
+    code, reason = await _closed(ws)
+    await ws.close()
+    assert code == wire.CLOSE_POLICY and "not held" in reason
+    assert (await cluster.admin("a", "/digest/never_made"))[0] == 404
+    assert not (cluster["a"].dir / "data" / "never_made.sqlite").exists()
+
+    # Acks that skip ahead, and numbers past 63 bits: the session closes with the reason.
+    for ack, expected in [
+        (wire.encode(wire.Ack(seq=5)), "acks count up by one"),
+        (b"\x82\xa4type\xa3ack\xa3seq\xcf\x80\x00\x00\x00\x00\x00\x00\x00", "invalid message"),
+    ]:
+        ws = await _dial(cluster, folder)
+        await ws.send_bytes(wire.encode(wire.Hello(node="mallet", wall=0.0)))
+        await ws.receive(timeout=10)
+        await ws.send_bytes(wire.encode(wire.Subscribe(database="real")))
+        assert isinstance(wire.decode((await ws.receive(timeout=10)).data), wire.Schema)
+        await ws.send_bytes(ack)
+        code, reason = await _closed(ws)
+        await ws.close()
+        assert code == wire.CLOSE_MALFORMED and expected in reason, (code, reason)
+
+    # A Hello whose clock is not a finite time.
+    ws = await _dial(cluster, folder)
+    await ws.send_bytes(b"\x83\xa4type\xa5hello\xa4node\xa6mallet\xa4wall\xcb\x7f\xf8\x00\x00\x00\x00\x00\x00")
+    code, reason = await _closed(ws)
+    await ws.close()
+    assert code == wire.CLOSE_MALFORMED and "wall" in reason, (code, reason)
+
+    assert (await cluster.data("a", "GET", "/data/real/t/x"))[0] == 200
+    await cluster.wait_converged("real", timeout=30, expect_count=1)
+    _log_is_json(cluster, "a")
+
+
+class FakePeer:
+    """A registered peer the node dials: `serve(ws, subscribe)` plays the sending end after the handshake."""
+
+    def __init__(self, cluster: LocalCluster, folder: Path, serve: Callable[[Any, wire.Subscribe], Awaitable[None]]):
+        self.cluster = cluster
+        self.folder = folder
+        self.serve = serve
+        self.dials: list[tuple[str, float]] = []  # (the dialling node, when)
+        self.port = free_ports(1)[0]
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"wss://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/replication", self._handle)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        ca = self.cluster.dir / "ca" / "ca.pem"
+        context = server_context(ca, self.folder / "mallet.pem", self.folder / "mallet.key")
+        await web.TCPSite(self._runner, "127.0.0.1", self.port, ssl_context=context).start()
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _handle(self, request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse(protocols=[wire.SUBPROTOCOL])
+        await ws.prepare(request)
+        try:
+            hello = wire.decode((await ws.receive(timeout=10)).data)
+            assert isinstance(hello, wire.Hello)
+            self.dials.append((hello.node, asyncio.get_running_loop().time()))
+            await ws.send_bytes(wire.encode(wire.Hello(node="mallet", capabilities=wire.CAPABILITIES, wall=0.0)))
+            subscribe = wire.decode((await ws.receive(timeout=10)).data)
+            assert isinstance(subscribe, wire.Subscribe)
+            await self.serve(ws, subscribe)
+        except (TimeoutError, ConnectionError, wire.MalformedFrame):
+            pass
+        if not ws.closed:
+            await ws.close()
+        return ws
+
+
+async def test_a_poisoned_batch_is_refused_whole(pair: tuple[LocalCluster, Path]) -> None:
+    cluster, folder = pair
+
+    async def poison(ws: Any, subscribe: wire.Subscribe) -> None:
+        await ws.send_bytes(wire.encode(wire.Schema(database=subscribe.database, epoch="x", head_seq=2)))
+        entries = [
+            wire.Entry("t", "fine", b"\xa2ok", 1_700_000_000_000_000, "mallet"),
+            wire.Entry("t", "poison", b"\xc1\xc1", 1_700_000_000_000_001, "mallet"),
+        ]
+        await ws.send_bytes(wire.encode(wire.Batch(entries=entries, marks={"mallet": 1_700_000_000_000_001})))
+        await ws.receive(timeout=10)
+
+    peer = FakePeer(cluster, folder, poison)
+    await peer.start()
+    try:
+        await _register(cluster, "mallet", peer.url, replicates=True)
+
+        async def refused() -> list[dict[str, Any]]:
+            return [e for e in cluster["a"].events("session_disconnected") if "not msgpack" in str(e)]
+
+        await wait_for(refused, 30, "a to refuse mallet's poisoned batch")
+        status, body = await cluster.admin("a", "/digest/system")
+        assert status == 200 and "t" not in body["tables"]  # nothing of the batch was applied
+        assert (await cluster.data("a", "PUT", "/data/after_poison/t/x", {"ok": 1}))[0] == 200
+        await cluster.wait_converged("after_poison", ["a", "b"], timeout=30, expect_count=1)
+    finally:
+        await peer.close()
+    _log_is_json(cluster, "a")
+
+
+async def test_a_peer_that_fails_after_the_handshake_is_not_redialled_twice_a_second(
+    pair: tuple[LocalCluster, Path],
+) -> None:
+    cluster, folder = pair
+
+    async def mute_then_gone(ws: Any, subscribe: wire.Subscribe) -> None:
+        await ws.send_bytes(wire.encode(wire.Schema(database=subscribe.database, epoch="x", head_seq=0)))
+        await ws.close(code=wire.CLOSE_INTERNAL, message=b"disk full")
+
+    peer = FakePeer(cluster, folder, mute_then_gone)
+    await peer.start()
+    try:
+        await _register(cluster, "mallet", peer.url, replicates=True)
+        await wait_for(lambda: any(node == "a" for node, _ in peer.dials), 30, "a to dial mallet")
+        first = next(t for node, t in peer.dials if node == "a")
+        await asyncio.sleep(12.0)
+        window = [t - first for node, t in peer.dials if node == "a" and t - first <= 12.0]
+        # Twice a second would be about 24 dials of a's one pair with mallet (system); the schedule doubles from
+        # 0.5 s towards 30 s (full jitter, floor 0.5 s): about 6 dials in 12 s.
+        assert len(window) <= 9, [round(t, 2) for t in window]
+        assert (await cluster.data("a", "PUT", "/data/after_mute/t/x", {"ok": 1}))[0] == 200
+        await cluster.wait_converged("after_mute", ["a", "b"], timeout=30, expect_count=1)
+    finally:
+        await peer.close()
+    _log_is_json(cluster, "a")
+
+
+async def test_nodes_with_different_frame_limits_never_send_a_frame_the_other_refuses(
+    make_cluster: Callable[..., LocalCluster],
+) -> None:
+    cluster = make_cluster(["a", "b"], workers=1, replication=dict(FAST))
+    cluster["a"].start()
+    cluster["b"].start(env={"REPLICATOR_REPLICATION_MAX_FRAME_BYTES": str(256 * 1024)})
+    try:
+        await cluster.wait_ready()
+        # One request, one transaction, one batch of 480 KB: more than b takes in one frame.
+        records = [{"id": f"r{i:03d}", "value": "x" * 8000} for i in range(60)]
+        status, body = await cluster.data("a", "POST", "/data/sized/t", records)
+        assert status == 200, body
+        # A value larger than any frame b accepts is not sent at all: the session says why.
+        status, body = await cluster.data("a", "PUT", "/data/toolarge/t/big", "y" * 200_000)
+        assert status == 200, body
+        await cluster.wait_converged("sized", timeout=60, expect_count=60)
+
+        async def refused() -> list[dict[str, Any]]:
+            return [e for e in cluster["b"].events("session_disconnected") if "frame limit" in str(e)]
+
+        await wait_for(refused, 30, "b's session for toolarge to end naming the frame limit")
+        assert not [e for e in cluster["b"].events() if "1009" in str(e.get("error", "")) and "sized" in str(e)]
+    finally:
+        await cluster.close()
+    for name in ("a", "b"):
+        _log_is_json(cluster, name)
