@@ -16,11 +16,15 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from coordinator.filecheck import WriteProbe
 from coordinator.metrics import CONTENT_TYPE
 from coordinator.view import AdminView
+from shared import config as config_module
+from shared import revocation
 from shared.config import DATABASE_PATTERN_RE, NAME_RE
 from shared.keys import normalize_url
-from shared.store import BadName, NodeRow, UnknownDatabase, delete_node, read_nodes, write_node
+from shared.logs import capture_library_logs, log
+from shared.store import SYSTEM, BadName, NodeRow, UnknownDatabase, delete_node, read_nodes, write_node
 
 _json = msgspec.json.Encoder()
 MAX_WAIT = 3600.0  # the longest `?timeout=` a run-now request may ask for
@@ -46,6 +50,7 @@ class AdminServer:
     def __init__(self, node: AdminView) -> None:
         self._node = node
         self._runner: web.AppRunner | None = None
+        self._write_probe: WriteProbe | None = None  # made with the store: can it still write? (/readyz)
         app = web.Application()
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/healthz", self.healthz)
@@ -53,6 +58,7 @@ class AdminServer:
         app.router.add_get("/status", self.status)
         app.router.add_get("/nodes", self.nodes)
         app.router.add_put("/nodes/{name}", self.put_node)
+        app.router.add_put("/nodes/{name}/revocations", self.put_revocation)
         app.router.add_delete("/nodes/{name}", self.delete_node)
         app.router.add_get("/digest/{database}", self.digest)
         app.router.add_post("/antientropy", self.antientropy)
@@ -60,6 +66,8 @@ class AdminServer:
         self._app = app
 
     async def start(self) -> None:
+        # aiohttp's and asyncio's own messages become single JSON lines: no traceback in the log.
+        capture_library_logs(log, "aiohttp", "asyncio")
         listen = self._node.config.listen
         self._runner = web.AppRunner(self._app, access_log=None, handle_signals=False)
         await self._runner.setup()
@@ -82,9 +90,22 @@ class AdminServer:
         waiting = [
             slot for slot, w in sorted(supervisor.workers.items()) if not (w.alive and w.ready) and not w.retiring
         ]
-        if supervisor.all_ready():
+        reasons = [] if supervisor.all_ready() else [f"waiting for workers {waiting}"]
+        if self._node.boot_error:
+            reasons.append(self._node.boot_error)
+        store = self._node.store
+        if store is not None:
+            if self._write_probe is None:
+                self._write_probe = WriteProbe(store.data_dir, store.path(SYSTEM), loop=self._node.loop)
+            problem = await self._write_probe.problem()
+            if problem is not None:
+                reasons.append(problem)
+        if not reasons:
             return _reply({"ready": True, "workers": len(supervisor.live())})
-        return _reply({"ready": False, "waiting_for_workers": waiting, "boot_error": self._node.boot_error}, 503)
+        return _reply(
+            {"ready": False, "reasons": reasons, "waiting_for_workers": waiting, "boot_error": self._node.boot_error},
+            503,
+        )
 
     async def status(self, request: web.Request) -> web.Response:
         return _reply(status_document(self._node))
@@ -134,6 +155,27 @@ class AdminServer:
         version = write_node(system, row)
         self._node.poke_registry()
         return _reply({"name": name, "version": version})
+
+    async def put_revocation(self, request: web.Request) -> web.Response:
+        """Store a revocation the cluster CA signed (the document `replicator certs revoke` prints). It replicates
+        to every node, each verifies the signature, and the sessions of the revoked certificate end."""
+        name = request.match_info["name"]
+        if not NAME_RE.match(name):
+            return _error(400, f"bad node name {name[:80]!r}: use 1 to 64 of A-Z a-z 0-9 _ -")
+        config = self._node.config
+        try:
+            ca = revocation.load_ca_cert(config_module.resolve_path(config, config.tls.ca))
+            found = revocation.parse(await request.read(), ca)
+        except revocation.BadRevocation as exc:
+            return _error(400, str(exc))
+        except (OSError, ValueError) as exc:
+            return _error(500, f"cannot read the CA certificate: {exc}")
+        if found.name != name:
+            return _error(400, f"the revocation is of {found.name!r}, not {name!r}")
+        version = self._node.system().put(revocation.TABLE, found.record_id, revocation.encode(found))
+        self._node.poke_registry()
+        log.warning("certificate_revoked", name=name, serial=found.serial or "all", id=found.record_id)
+        return _reply({"name": name, "id": found.record_id, "version": version, "revokes": found.describe()})
 
     async def delete_node(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]

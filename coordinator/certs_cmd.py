@@ -6,20 +6,25 @@ with the message naming the argument. What was written is printed on stdout; err
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ipaddress
 import os
+import secrets
 import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import aiohttp
+import msgspec
+
 from shared.config import NAME_RE, ConfigError, from_mapping, load, resolve_path
 from shared.keys import normalize_url
 from shared.tls import TlsConfigError, ca_paths, create_ca, host_san, issue_node_cert, server_context
 
-CONFIG_MODE = 0o600  # the config holds the data API token once one is set
+CONFIG_MODE = 0o600  # the config holds the data API token
 _MAX_WORKERS = 256
 
 
@@ -68,6 +73,47 @@ def cmd_certs_node(ca: str, name: str, hosts: list[str], out: str) -> int:
     print(f"wrote certificate {cert_path} for {name} (hosts: {', '.join(hosts) or 'none'})")
     print(f"wrote key {key_path}")
     return 0
+
+
+def cmd_certs_revoke(ca: str, name: str, serial: str, out: str | None, admin: str | None) -> int:
+    """Sign a revocation with the CA key; print it or write it to `out`, and store it through `admin` if given."""
+    from shared import revocation
+
+    try:
+        signed = revocation.sign(ca, name, serial)
+    except revocation.BadRevocation as exc:
+        return _fail("certs revoke", str(exc), 2)
+    except TlsConfigError as exc:
+        return _fail("certs revoke", str(exc), 1)
+    document = msgspec.json.encode(signed)
+    if out:
+        try:
+            Path(out).write_bytes(document + b"\n")
+        except OSError as exc:
+            return _fail("certs revoke", f"{out}: {_os_error(exc)}", 1)
+        print(f"wrote the revocation of {signed.describe()} to {out}")
+    else:
+        print(document.decode())
+    if admin:
+        url = f"{admin.rstrip('/')}/nodes/{name}/revocations"
+        problem = asyncio.run(_put(url, document))
+        if problem:
+            return _fail("certs revoke", problem, 1)
+        print(f"stored at {admin}: every node ends the sessions of {signed.describe()}")
+    return 0
+
+
+async def _put(url: str, body: bytes) -> str | None:
+    """PUT `body` to `url`; None when it answered 200, else what went wrong."""
+    try:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as http,
+            http.put(url, data=body) as response,
+        ):
+            text = await response.text()
+    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        return f"cannot reach {url}: {exc}"
+    return None if response.status == 200 else f"{url} answered {response.status}: {text.strip()}"
 
 
 def cmd_init(
@@ -132,6 +178,7 @@ def cmd_init(
         cert=cert_path.name,
         key=key_path.name,
         peers=peer_list,
+        token=secrets.token_urlsafe(32),
     )
     # Validate with the loader before writing anything, so a rejected config leaves no files behind.
     try:
@@ -171,7 +218,7 @@ def cmd_init(
     except (ConfigError, TlsConfigError) as exc:
         _remove(config_path, cert_path, key_path)
         return _fail("init", f"the written config does not load back: {exc}", 1)
-    print(f"wrote config {config_path}")
+    print(f"wrote config {config_path} (mode 0600: it holds the data API token, [data] token)")
     print(f"start the node with: replicator run --config {config_path}")
     return 0
 
@@ -257,6 +304,7 @@ def _render(
     cert: str,
     key: str,
     peers: list[_Peer],
+    token: str,
 ) -> str:
     lines = [
         "# Written by `replicator init`. Relative paths are resolved against this file's folder.",
@@ -279,7 +327,7 @@ def _render(
         f"key = {_toml_str(key)}",
         "",
         "[data]",
-        _commented('token = ""', "bearer token for the data API; empty means no auth"),
+        f"token = {_toml_str(token)}  # clients send Authorization: Bearer <token>; keep this file private",
         "",
         "[replication]",
         'databases = ["*"]',

@@ -33,6 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--config", required=True, help="the node's TOML config file")
     run.add_argument("--workers", type=int, help="worker processes (overrides node.workers)")
     run.add_argument("--log-format", choices=["json", "text"], help="json lines (default) or text for a terminal")
+    run.add_argument(
+        "--check-integrity",
+        action="store_true",
+        help="check every database file at boot with PRAGMA integrity_check (every page and index) instead of "
+        "quick_check",
+    )
 
     demo = commands.add_parser("demo", help="boot a local TLS cluster on loopback, replicate, report, stop")
     demo.add_argument("--nodes", type=int, default=3)
@@ -49,6 +55,17 @@ def build_parser() -> argparse.ArgumentParser:
     node_cert.add_argument("--name", required=True)
     node_cert.add_argument("--host", action="append", default=[], help="a host name or IP for the SAN (repeatable)")
     node_cert.add_argument("--out", required=True)
+    revoke = certs_commands.add_parser(
+        "revoke",
+        help="sign a revocation with the CA key: one certificate serial, or every certificate of the node so far",
+    )
+    revoke.add_argument("--ca", required=True, help="the CA folder (ca.pem and ca.key)")
+    revoke.add_argument("--name", required=True, help="the node whose certificate is revoked")
+    revoke.add_argument(
+        "--serial", default="", help="the certificate serial in hex (default: every certificate issued until now)"
+    )
+    revoke.add_argument("--out", help="write the signed revocation to this file (default: print it)")
+    revoke.add_argument("--admin", help="also store it through this node's admin URL (PUT /nodes/NAME/revocations)")
 
     init = commands.add_parser("init", help="write a ready-to-run config file and the node's certificate")
     init.add_argument("--name", required=True)
@@ -101,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
 
             if args.certs_command == "ca":
                 return certs_cmd.cmd_certs_ca(args.out)
+            if args.certs_command == "revoke":
+                return certs_cmd.cmd_certs_revoke(args.ca, args.name, args.serial, args.out, args.admin)
             return certs_cmd.cmd_certs_node(args.ca, args.name, args.host, args.out)
         case "init":
             from coordinator import certs_cmd
@@ -142,13 +161,13 @@ def _run(args: argparse.Namespace) -> int:
     if args.log_format:
         config.log.format = args.log_format
     log.configure_from(config.log, node=config.node.name, worker="coordinator")
-    return _asyncio_run(_serve(config, args.workers))
+    return _asyncio_run(_serve(config, args.workers, args.check_integrity))
 
 
-async def _serve(config: Config, cli_workers: int | None) -> int:
+async def _serve(config: Config, cli_workers: int | None, check_integrity: bool = False) -> int:
     from coordinator.node import Node
 
-    node = Node(config, loop=asyncio.get_running_loop(), cli_workers=cli_workers)
+    node = Node(config, loop=asyncio.get_running_loop(), cli_workers=cli_workers, check_integrity=check_integrity)
     return await node.run()
 
 

@@ -32,7 +32,13 @@ SAMPLED_EVENTS = (
     "clock_skew_refused",
     "antientropy_failed",
     "checksum_failed",
+    "request_failed",
+    "connection_refused",
+    "disk_full",
+    "library_log",
 )
+# The caps a refused connection names (workers.listener); their counters start at 0 so a rate exists.
+CONNECTION_LIMITS = ("max_connections", "max_connections_per_client")
 ANTIENTROPY_COUNTERS = (
     "replicator_antientropy_rounds_total",
     "replicator_antientropy_failures_total",
@@ -91,6 +97,12 @@ class Metrics:
                 ["event"],
                 registry=registry,
             ),
+            "replicator_connections_refused_total": Counter(
+                "replicator_connections_refused_total",
+                "New node-port connections closed before TLS because a worker held its cap (listen.<limit>)",
+                ["limit"],
+                registry=registry,
+            ),
         }
         # Fed by the coordinator's anti-entropy schedules (coordinator.antientropy).
         self._rounds: dict[str, Counter] = {
@@ -116,6 +128,8 @@ class Metrics:
         self._unknown_reported: set[str] = set()
         for event in SAMPLED_EVENTS:
             self._fed["replicator_log_events_suppressed_total"].labels(event)
+        for limit in CONNECTION_LIMITS:
+            self._fed["replicator_connections_refused_total"].labels(limit)
         registry.register(_StateCollector(node))
         self._node = node
         log.on_suppressed = lambda event, n: self.suppressed(event, n)

@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from coordinator import registry, scaling
+from coordinator import filecheck, registry, scaling
 from coordinator.admin import AdminServer
 from coordinator.antientropy import AntiEntropy
 from coordinator.metrics import Metrics
@@ -32,7 +32,7 @@ from coordinator.replication_map import Entry, PairState, ReplicationMap, StallW
 from coordinator.routing import Router
 from coordinator.sd_notify import Notifier
 from coordinator.setup_scheduler import SetupScheduler
-from coordinator.supervisor import Supervisor, WorkerHandle
+from coordinator.supervisor import PauseMonitor, Supervisor, WorkerHandle
 from shared import config as config_module
 from shared import messages
 from shared.backoff import Backoff
@@ -62,8 +62,11 @@ class Node:
         rng: Callable[[], float] | None = None,
         cli_workers: int | None = None,
         supervisor: Supervisor | None = None,
+        check_integrity: bool = False,
     ) -> None:
         self.config = config
+        # `run --check-integrity`: the boot check of the database files runs integrity_check, not quick_check.
+        self._check_integrity = check_integrity
         # `run --workers N` wins over the file until the file's own node.workers changes.
         self._cli_workers = cli_workers
         self._file_workers = config.node.workers
@@ -117,6 +120,8 @@ class Node:
         self._closing = False
         self._tasks: list[asyncio.Task[Any]] = []
         self._admin: AdminServer | None = None
+        # Time this process itself did not run is not time the workers were silent (the heartbeat watchdog).
+        self.pauses = PauseMonitor(self.loop)
 
     def _new_scheduler(self) -> SetupScheduler:
         rep = self.config.replication
@@ -182,14 +187,29 @@ class Node:
         except TlsConfigError as exc:
             raise BootError(str(exc)) from None
         _probe_port(config.listen.host, config.listen.port)
+        # Before any process opens a database: a damaged file halts the boot here, naming it, or is moved aside.
+        try:
+            checked, moved = await asyncio.to_thread(
+                filecheck.check_databases,
+                directory,
+                full=self._check_integrity,
+                recover=config.replication.recover_damaged,
+                wall=self.wall,
+            )
+        except (filecheck.DamagedFiles, filecheck.Unreadable, OSError) as exc:
+            raise BootError(str(exc)) from None
+        log.info("database_files_checked", files=checked, check="integrity" if self._check_integrity else "quick")
         try:
             self.store = Store(directory, self.name, clock_lead=config.replication.max_clock_skew)
             system = self.system()
+            for damage in moved:
+                # Created empty, it starts recovering: the peers serve it back.
+                self.store.database(damage.database, create=True)
+            self.holds = set(self.store.names()) | {SYSTEM}
+            for database in sorted(self.holds):
+                self._note_database(database)
         except Exception as exc:
             raise BootError(f"cannot open the store in {directory}: {exc}") from None
-        self.holds = set(self.store.names()) | {SYSTEM}
-        for database in sorted(self.holds):
-            self._note_database(database)
         self._write_own_row(system)
         self._admin = AdminServer(self)
         try:
@@ -230,6 +250,7 @@ class Node:
         self._tasks.append(self.loop.create_task(self.notifier.watchdog_loop(), name="watchdog"))
         self._tasks.append(self.loop.create_task(self._prune_loop(), name="audit retention"))
         self.antientropy.start()
+        self.pauses.start()
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -242,6 +263,7 @@ class Node:
         deadline = self.config.replication.shutdown_timeout
         log.info("node_stopping", deadline_s=deadline)
         self.notifier.notify("STOPPING=1")
+        self.pauses.close()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -726,6 +748,12 @@ class Node:
         """One pass: the truth pass (hung workers), stale pairs, wedged pairs, stalled receivers."""
         now = self.loop.time()
         timeout = self.config.replication.heartbeat_timeout
+        absent = self.pauses.take()
+        if absent:
+            # The coordinator did not run (stopped with the whole node, frozen, blocked): the workers could not be
+            # heard over that time, so it is given back to each of them before any is judged silent.
+            log.warning("coordinator_paused", paused_s=round(absent, 3), action="worker silence excused")
+            self.supervisor.excuse(absent)
         for handle in list(self.supervisor.workers.values()):
             if not handle.alive:
                 continue

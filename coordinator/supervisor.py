@@ -24,6 +24,59 @@ from shared.logs import log
 from workers.main import EXIT_BOOT_ERROR, worker_entry
 
 RESPAWN_HEALTHY_UPTIME = 10.0
+# The coordinator's own loop ticks this often; a tick later than PAUSE_SLACK past its time is not load: the loop
+# did not run (the process was stopped, its container frozen, its host suspended, or the loop blocked).
+PAUSE_TICK = 1.0
+PAUSE_SLACK = 1.0
+
+
+class PauseMonitor:
+    """How long this process's event loop was not running, so workers are not judged by time their judge was absent.
+
+    After a SIGSTOP of the whole node, every worker looks silent for as long as the stop lasted, and the heartbeat
+    watchdog would kill healthy workers. A tick every `interval` measures each stretch the loop did not run (beyond
+    `slack` late); `take()` measures too, since after a stop the reconcile pass may run before the overdue tick.
+    """
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, *, interval: float = PAUSE_TICK, slack: float = PAUSE_SLACK
+    ) -> None:
+        self._loop = loop
+        self._interval = interval
+        self._slack = slack
+        self._last: float | None = None  # when the loop was last seen running; None while not started
+        self._absent = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        self.close()
+        self._last = self._loop.time()
+        self._timer = self._loop.call_later(self._interval, self._tick)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._last = None
+
+    def take(self) -> float:
+        """Seconds the loop was not running since the last take (0.0 when it ran on time, or is not watched)."""
+        self._note()
+        absent, self._absent = self._absent, 0.0
+        return absent
+
+    def _tick(self) -> None:
+        self._note()
+        self._timer = self._loop.call_later(self._interval, self._tick)
+
+    def _note(self) -> None:
+        if self._last is None:
+            return
+        now = self._loop.time()
+        late = now - self._last - self._interval
+        if late > self._slack:
+            self._absent += late
+        self._last = now
 
 
 async def wait_until(condition: Callable[[], bool], changed: asyncio.Event, timeout: float) -> bool:
@@ -176,6 +229,13 @@ class Supervisor:
         except (ConnectionError, RuntimeError):
             return False
         return True
+
+    def excuse(self, seconds: float) -> None:
+        """The coordinator was not running for `seconds`: no worker's silence over that time counts against it."""
+        now = self._loop.time()
+        for handle in self.workers.values():
+            if handle.alive:
+                handle.last_heartbeat = min(now, handle.last_heartbeat + seconds)
 
     def kill(self, slot: int) -> None:
         handle = self.workers.get(slot)

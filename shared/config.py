@@ -6,6 +6,7 @@ exit code 2.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import os
@@ -38,6 +39,13 @@ class ListenSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     port: int = 9925
     admin_host: str = "127.0.0.1"
     admin_port: int = 9926
+    # A client that has not sent a whole request head this long after connecting (or after its last answer) is
+    # dropped, and so is one whose TLS handshake or request body takes longer: slow clients cannot pile up.
+    request_timeout: float = 10.0
+    # Open node-port connections per worker; and per client address, of those without a cluster certificate (a
+    # peer opens a session per database). Over either, a new connection is closed before any TLS work.
+    max_connections: int = 1024
+    max_connections_per_client: int = 64
 
 
 class TlsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -48,6 +56,8 @@ class TlsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class DataSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     token: str = ""
+    # The data API creates no database once the node holds this many (the system database not counted).
+    max_databases: int = 1000
 
 
 class ReplicationSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -84,6 +94,9 @@ class ReplicationSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     # Peer host names pinned to addresses, checked before DNS; resolve = "hosts" consults nothing else.
     hosts: dict[str, str] = msgspec.field(default_factory=dict)
     resolve: Literal["system", "hosts"] = "system"
+    # A database file found damaged at boot is moved aside to <data_dir>/damaged/ and recovered from peers, instead
+    # of halting the node (exit 3).
+    recover_damaged: bool = False
 
 
 class PeerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -237,35 +250,51 @@ def _check(config: Config, source: str) -> None:
     if config.listen.port == config.listen.admin_port and config.listen.host == config.listen.admin_host:
         fail("listen.admin_port", "must differ from listen.port")
     rep = config.replication
-    for key in (
-        "stagger",
-        "reconcile_interval",
-        "wedge_threshold",
-        "stall_threshold",
-        "heartbeat_timeout",
-        "failover_after",
-        "max_clock_skew",
-        "prune_interval",
-        "antientropy_interval",
-        "antientropy_rate",
-        "scrub_rate",
-    ):
-        value = getattr(rep, key)
-        if not math.isfinite(value) or value < 0 or (key != "stagger" and value == 0):
-            unit = "per second" if key.endswith("rate") else "of seconds"
-            fail(f"replication.{key}", f"must be a positive number {unit}, got {value}")
-    for key in ("audit_retention", "tombstone_retention"):
-        value = getattr(rep, key)
-        if not math.isfinite(value) or value < 0:
-            fail(f"replication.{key}", f"must be a number of seconds >= 0, got {value}")
-    if rep.shutdown_timeout <= 0:
-        fail("replication.shutdown_timeout", f"must be positive, got {rep.shutdown_timeout}")
-    if rep.batch_size < 1 or rep.window < 1:
-        fail("replication.batch_size" if rep.batch_size < 1 else "replication.window", "must be at least 1")
-    if rep.max_frame_bytes < 64 * 1024:
-        fail("replication.max_frame_bytes", "must be at least 65536")
-    if config.log.sample_window <= 0 or config.log.sample_burst < 1:
-        fail("log.sample_window" if config.log.sample_window <= 0 else "log.sample_burst", "must be positive")
+    day = 86400.0
+    # Every number of [replication] and [log]: (lowest, highest, whether the lowest itself is allowed, unit). A
+    # value outside makes no sense (a timer of a year, a rate of 1e300), and nan or inf would poison every deadline.
+    floats: dict[str, tuple[float, float, bool, str]] = {
+        "replication.stagger": (0.0, 60.0, True, "seconds"),
+        "replication.shutdown_timeout": (0.0, 3600.0, False, "seconds"),
+        "replication.reconcile_interval": (0.0, 3600.0, False, "seconds"),
+        "replication.wedge_threshold": (0.0, day, False, "seconds"),
+        "replication.stall_threshold": (0.0, day, False, "seconds"),
+        "replication.heartbeat_timeout": (0.0, day, False, "seconds"),
+        "replication.audit_retention": (0.0, 3650 * day, True, "seconds"),
+        "replication.tombstone_retention": (0.0, 3650 * day, True, "seconds"),
+        "replication.prune_interval": (0.0, day, False, "seconds"),
+        "replication.failover_after": (0.0, day, False, "seconds"),
+        "replication.max_clock_skew": (0.0, day, False, "seconds"),
+        "replication.antientropy_interval": (0.0, 30 * day, False, "seconds"),
+        "replication.antientropy_rate": (0.0, 1e9, False, "records per second"),
+        "replication.scrub_rate": (0.0, 1e9, False, "rows per second"),
+        "log.sample_window": (0.0, day, False, "seconds"),
+    }
+    for key, (lowest, highest, closed, unit) in floats.items():
+        section, name = key.split(".")
+        value = getattr(getattr(config, section), name)
+        if not (math.isfinite(value) and (lowest <= value if closed else lowest < value) and value <= highest):
+            bounds = f"{'[' if closed else '('}{_bound(lowest)}, {_bound(highest)}]"
+            fail(key, f"must be a finite number of {unit} in {bounds}, got {value!r}")
+    ints: dict[str, tuple[int, int]] = {
+        "replication.batch_size": (1, 100_000),
+        "replication.max_frame_bytes": (64 * 1024, 2**30),
+        "replication.window": (1, 1024),
+        "log.sample_burst": (1, 1_000_000),
+    }
+    for key, (least, most) in ints.items():
+        section, name = key.split(".")
+        value = getattr(getattr(config, section), name)
+        if not least <= value <= most:
+            fail(key, f"must be a whole number in {least}..{most}, got {value}")
+    for host, address in rep.hosts.items():
+        labels = host[:-1].split(".") if host.endswith(".") else host.split(".")
+        if len(host) > 254 or not all(re.match(r"^[A-Za-z0-9_-]{1,63}\Z", label) for label in labels):
+            fail("replication.hosts", f"{host[:80]!r} is not a host name")
+        try:
+            ipaddress.ip_address(address)
+        except ValueError:
+            fail(f"replication.hosts.{host}", f"expected an IP address, got {address[:80]!r}")
     for pattern in rep.databases:
         if not DATABASE_PATTERN_RE.match(pattern):
             fail("replication.databases", f"{pattern!r} is neither '*' nor a database name")
@@ -282,6 +311,49 @@ def _check(config: Config, source: str) -> None:
         for pattern in peer.databases:
             if not DATABASE_PATTERN_RE.match(pattern):
                 fail(f"peers[{index}].databases", f"{pattern!r} is neither '*' nor a database name")
+    _check_exposure(config, fail)
+
+
+# A bearer token travels in an HTTP header: visible ASCII only.
+TOKEN_RE = re.compile(r"[\x21-\x7e]{1,1024}")
+
+
+def _check_exposure(config: Config, fail: Any) -> None:
+    """What the node port lets clients do: the token, the connection and request limits."""
+    listen, data = config.listen, config.data
+    timeout = listen.request_timeout
+    if not (math.isfinite(timeout) and 0 < timeout <= 3600):
+        fail("listen.request_timeout", f"must be a finite number of seconds in (0, 3600], got {timeout!r}")
+    for key, value in (
+        ("listen.max_connections", listen.max_connections),
+        ("listen.max_connections_per_client", listen.max_connections_per_client),
+        ("data.max_databases", data.max_databases),
+    ):
+        if not 1 <= value <= 1_000_000:
+            fail(key, f"must be a whole number in 1..1000000, got {value}")
+    if data.token and not TOKEN_RE.fullmatch(data.token):
+        fail("data.token", "must be 1 to 1024 visible ASCII characters, no spaces (it is sent in an HTTP header)")
+    if not data.token and not is_loopback(listen.host):
+        fail(
+            "data.token",
+            f"is empty while the node port listens on {listen.host or 'every interface'!r}: any client there could "
+            "write and create databases; set data.token (`replicator init` writes one) or listen on 127.0.0.1",
+        )
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` reaches only this machine: localhost, 127.0.0.0/8, ::1."""
+    if host.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _bound(value: float) -> str:
+    """A range bound as an operator writes it: 86400, not 86400.0."""
+    return str(int(value)) if value == int(value) else repr(value)
 
 
 def _check_url(url: str, key: str, fail: Any) -> None:

@@ -8,8 +8,10 @@ the rest are counted, and the count is reported on the next line written for tha
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
+import traceback
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TextIO
@@ -170,6 +172,51 @@ def _text(value: Any) -> str:
         return f"{value:.3f}"
     text = str(value)
     return json.dumps(text) if (" " in text or not text) else text
+
+
+def where(exc: BaseException) -> str:
+    """Where an exception was raised, as `folder/file.py:line`: enough to find it, on one line."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return ""
+    frame = frames[-1]
+    return "/".join(frame.filename.replace("\\", "/").split("/")[-2:]) + f":{frame.lineno}"
+
+
+class LibraryLogHandler(logging.Handler):
+    """Writes a library's `logging` records (aiohttp's, asyncio's) as one sampled `library_log` warning each.
+
+    Left alone, they reach stderr through logging's last-resort handler as text with a multi-line traceback: a
+    client could fill the JSON log with them, unsampled. Here a record keeps its logger, its message and the
+    exception's type, text and place, on one line; identical ones are sampled like every warning.
+    """
+
+    def __init__(self, events: EventLog) -> None:
+        super().__init__(logging.WARNING)
+        self._events = events
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            fields: dict[str, Any] = {"logger": record.name, "library_level": record.levelname}
+            fields["message"] = " ".join(record.getMessage().split())[:300]
+            exc = record.exc_info[1] if record.exc_info else None
+            if exc is not None:
+                fields["error_type"] = type(exc).__name__
+                fields["error"] = " ".join(str(exc).split())[:300]
+                fields["where"] = where(exc)
+            self._events.warning("library_log", sample_by=("logger", "error_type", "where"), **fields)
+        except Exception:
+            pass  # logging.Handler.handleError would print a traceback to stderr: the very thing avoided here
+
+
+def capture_library_logs(events: EventLog, *names: str) -> None:
+    """Route the named loggers (and their children) to `events` only; idempotent."""
+    for name in names:
+        logger = logging.getLogger(name)
+        if not any(isinstance(handler, LibraryLogHandler) for handler in logger.handlers):
+            logger.addHandler(LibraryLogHandler(events))
+        logger.setLevel(logging.WARNING)
+        logger.propagate = False
 
 
 log = EventLog()

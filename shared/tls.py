@@ -65,6 +65,7 @@ class PeerIdentity(msgspec.Struct, frozen=True):
 
     name: str
     serial: str
+    not_before: float = 0.0  # when the certificate became valid (its issue time), seconds since the epoch
 
 
 def create_ca(
@@ -289,7 +290,7 @@ def _identity_from_der(der: bytes) -> PeerIdentity | None:
         if not dns_names:
             return None
         name = dns_names[0]
-    return _identity(name, cert.serial_number)
+    return _identity(name, cert.serial_number, cert.not_valid_before_utc.timestamp())
 
 
 def _identity_from_peercert(peercert: Mapping[str, Any]) -> PeerIdentity | None:
@@ -304,16 +305,17 @@ def _identity_from_peercert(peercert: Mapping[str, Any]) -> PeerIdentity | None:
         return None
     try:
         number = int(serial, 16)
-    except ValueError:
+        not_before = float(ssl.cert_time_to_seconds(peercert["notBefore"])) if "notBefore" in peercert else 0.0
+    except (ValueError, TypeError):
         return None
-    return _identity(name, number)
+    return _identity(name, number, not_before)
 
 
-def _identity(name: str, serial: int) -> PeerIdentity | None:
+def _identity(name: str, serial: int, not_before: float = 0.0) -> PeerIdentity | None:
     # A name that cannot be a node name cannot be a peer (and must not reach log fields or metric labels).
     if not NAME_RE.match(name):
         return None
-    return PeerIdentity(name=name, serial=format(serial, "x"))
+    return PeerIdentity(name=name, serial=format(serial, "x"), not_before=not_before)
 
 
 def _load_ca(cert_path: Path, key_path: Path) -> tuple[x509.Certificate, CertificateIssuerPrivateKeyTypes]:

@@ -32,14 +32,16 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import msgspec
+from cryptography import x509
 
-from shared import digests, wire
+from shared import digests, revocation, wire
 from shared.config import NAME_RE
 from shared.hlc import MAX_VERSION
 from shared.logs import log
 from shared.store import BadName, BadRecord, Database, check_name
 from shared.wire import Entry
 
+SYSTEM = "system"
 LEAF_ROWS = 16  # a node holding at most this many rows on each side is settled by exchanging its rows
 MAX_NODES = 256  # tree nodes per Children or Rows request
 # Nodes below the stored buckets are computed from the bucket's rows on every ask: fewer per request, so that
@@ -198,6 +200,7 @@ class Round:
         rate: float,
         ceiling: Callable[[], int] = lambda: MAX_VERSION,
         horizon: Callable[[], int] = lambda: 0,
+        ca: x509.Certificate | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -210,6 +213,7 @@ class Round:
         self._rate = rate
         self._ceiling = ceiling
         self._horizon = horizon
+        self._ca = ca  # verifies the revocations a peer serves for the system database
         self._sleep = sleep
         self._clock = clock
         self.result = RoundResult()
@@ -323,14 +327,15 @@ class Round:
         entries = [
             entry for entry in reply.entries if entry.table == table and entry.id in wanted and entry.version <= ceiling
         ]
-        # A value that is not msgpack is refused; the rest of the answer still counts.
-        refused = [entry for entry in entries if wire.bad_value([entry]) is not None]
+        # A value that is not msgpack, or a revocation the CA did not sign (or its removal), is refused; the rest of
+        # the answer still counts.
+        refused = [entry for entry in entries if self._refuse([entry]) is not None]
         if refused:
             log.warning(
                 "antientropy_value_refused",
                 database=self._db.name,
                 records=len(refused),
-                reason=wire.bad_value(refused[:1]),
+                reason=self._refuse(refused[:1]),
                 sample_by=("database",),
             )
             entries = [entry for entry in entries if entry not in refused]
@@ -342,6 +347,12 @@ class Round:
             raise PeerError(f"the peer served a record that cannot be stored: {exc}") from None
         self.result.repaired += won
         await self._pace(won)
+
+    def _refuse(self, entries: list[Entry]) -> str | None:
+        found = wire.bad_value(entries)
+        if found is None and self._db.name == SYSTEM:
+            found = revocation.refusal(entries, self._ca)
+        return found
 
     async def _pace(self, records: int) -> None:
         if records and self._rate > 0:

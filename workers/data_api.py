@@ -1,19 +1,27 @@
 """The data API on the node port: records by database, table and id, JSON in and out.
 
-Bad input (a bad name, a body that is not JSON, a value too large) is answered 4xx with a message naming what is
-wrong; it never reaches the store. Values are stored as msgpack, so any JSON value round-trips.
+Bad input (a bad name or header, a body that is not JSON, nests too deep, holds a number msgpack cannot, a value too
+large, a body that does not arrive in time) is answered 4xx with a message naming what is wrong; it never reaches the
+store. A full disk is 507. Values are stored as msgpack, so any JSON value within those limits round-trips.
+
+`answer_errors`, installed on the whole node port, makes whatever else goes wrong a 500 with a JSON reason and one
+sampled log line: no request can put a traceback in the log.
 """
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import hmac
+import sqlite3
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
-from shared.config import NAME_RE
+from shared.config import NAME_RE, is_loopback
+from shared.logs import log, where
 from shared.store import BadName, DamagedRecord, Database, UnknownDatabase
 from shared.wire import Entry
 from workers.context import SYSTEM, WorkerContext
@@ -21,6 +29,13 @@ from workers.context import SYSTEM, WorkerContext
 MAX_ID_LENGTH = 1024
 MAX_LIST_LIMIT = 10_000
 DEFAULT_LIST_LIMIT = 100
+# Levels of JSON nesting a body may have. msgspec's decoder recurses and the interpreter's limit is about 1,000
+# frames, shared with whatever called it: 999 levels were a RecursionError and a 500 (issue 9).
+MAX_DEPTH = 64
+# Values are stored as msgpack, whose integers are signed or unsigned 64-bit.
+INT_RANGE = "-2**63 to 2**64 - 1"
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 _json = msgspec.json.Encoder()
 
@@ -38,6 +53,122 @@ class BadRequest(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
+
+
+def decode_body(raw: bytes) -> Any:
+    """The JSON value of a request body; BadRequest naming what is wrong with it."""
+    try:
+        value = msgspec.json.decode(raw)
+    except RecursionError:
+        raise BadRequest(400, f"body nests deeper than {MAX_DEPTH} levels of arrays and objects") from None
+    except msgspec.DecodeError as exc:
+        raise BadRequest(400, f"body is not valid JSON: {exc}") from None
+    # A body cannot nest deeper than it has brackets: most are checked by counting, without a walk.
+    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and _nests_deeper(value, MAX_DEPTH):
+        raise BadRequest(400, f"body nests deeper than {MAX_DEPTH} levels of arrays and objects")
+    return value
+
+
+def _nests_deeper(value: Any, limit: int) -> bool:
+    """Whether `value` has arrays or objects more than `limit` levels deep (iterative: the depth is the input's)."""
+    if not isinstance(value, dict | list):
+        return False
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        for child in item.values() if isinstance(item, dict) else item:
+            if isinstance(child, dict | list):
+                if depth >= limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
+
+
+def encode_value(value: Any, limit: int) -> bytes:
+    """A decoded JSON value as stored (msgpack); BadRequest when it cannot be, or is over `limit` bytes."""
+    try:
+        data = msgspec.msgpack.encode(value)
+    except OverflowError:
+        raise BadRequest(400, f"a number is out of range: integers must lie in {INT_RANGE} (64 bits)") from None
+    if len(data) > limit:
+        raise BadRequest(413, f"value of {len(data)} bytes exceeds the limit of {limit}")
+    return data
+
+
+def check_id(record_id: str, prefix: str = "") -> str:
+    """A record id as the store takes it: 1 to MAX_ID_LENGTH characters of valid Unicode (`prefix` starts the
+    message: which item of a batch)."""
+    if not record_id or len(record_id) > MAX_ID_LENGTH:
+        raise BadRequest(400, f"{prefix}bad id: 1 to {MAX_ID_LENGTH} characters")
+    if not record_id.isascii():
+        try:
+            record_id.encode()
+        except UnicodeEncodeError:
+            raise BadRequest(400, f"{prefix}bad id: not valid Unicode text") from None
+    return record_id
+
+
+def authorization_refusal(header: str | None, token: str) -> str | None:
+    """Why a request with this Authorization header is refused when the data API's token is `token` ("" for
+    none); None when it is let in. Compared in constant time, as bytes: the header may hold anything."""
+    if not token:
+        return None
+    if header is None:
+        return "a bearer token is required (Authorization: Bearer <token>)"
+    if not header.isascii():
+        # A header's bytes that are not ASCII (or not UTF-8 at all) can never match a token; say so.
+        return "the Authorization header is not ASCII text; a bearer token is required (Authorization: Bearer <token>)"
+    if not hmac.compare_digest(header.encode(), f"Bearer {token}".encode()):
+        return "a bearer token is required (Authorization: Bearer <token>); the one given does not match"
+    return None
+
+
+def _disk_full(exc: BaseException) -> bool:
+    if isinstance(exc, sqlite3.Error):
+        code = getattr(exc, "sqlite_errorcode", None)
+        return (code is not None and code & 0xFF == sqlite3.SQLITE_FULL) or "disk is full" in str(exc)
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def _busy(exc: BaseException) -> bool:
+    code = getattr(exc, "sqlite_errorcode", None)
+    return isinstance(exc, sqlite3.OperationalError) and code is not None and code & 0xFF == sqlite3.SQLITE_BUSY
+
+
+@web.middleware
+async def answer_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure on the node port is an answer with a JSON reason, never a traceback in the log.
+
+    An HTTP error that aiohttp raises (404, 405, 413) keeps its status. Any other exception is a 500 naming only
+    its type, and one `request_failed` warning, sampled by type and place.
+    """
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        response = _error(exc.status, exc.text or exc.reason)
+        for name in ("Allow", "Retry-After", "WWW-Authenticate"):
+            if name in exc.headers:
+                response.headers[name] = exc.headers[name]
+        return response
+    except (ConnectionResetError, ConnectionAbortedError, BrokenPipeError):
+        # The client went away mid-request: there is nobody to answer and nothing wrong here.
+        log.debug("request_aborted", method=request.method, path=request.path[:200])
+        return _error(500, "connection lost")
+    except Exception as exc:
+        error_type = type(exc).__name__
+        log.warning(
+            "request_failed",
+            method=request.method,
+            path=request.path[:200],
+            error_type=error_type,
+            where=where(exc),
+            sample_by=("error_type", "where"),
+        )
+        if request.writer.output_size > 0 and request.transport is not None:
+            request.transport.close()  # an answer was under way: another cannot follow it on this connection
+        return _error(500, f"internal error ({error_type})")
 
 
 class DataApi:
@@ -58,15 +189,18 @@ class DataApi:
         self, handler: Callable[[web.Request], Awaitable[web.Response]]
     ) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def guarded(request: web.Request) -> web.Response:
-            token = self._ctx.config.data.token
-            if token:
-                given = request.headers.get("Authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                    return _error(401, "a bearer token is required (Authorization: Bearer <token>)")
+            refusal = authorization_refusal(request.headers.get("Authorization"), self._ctx.config.data.token)
+            if refusal is not None:
+                response = _error(401, refusal)
+                response.headers["WWW-Authenticate"] = "Bearer"
+                return response
             try:
                 return await handler(request)
             except BadRequest as exc:
-                return _error(exc.status, exc.message)
+                response = _error(exc.status, exc.message)
+                if exc.status == 408:
+                    response.force_close()  # the rest of the body may still be on its way
+                return response
             except BadName as exc:
                 return _error(400, str(exc))
             except UnknownDatabase as exc:
@@ -77,6 +211,16 @@ class DataApi:
                 response = _error(503, str(exc))
                 response.headers["Retry-After"] = str(max(1, round(interval)))
                 return response
+            except (sqlite3.Error, OSError) as exc:
+                database = request.match_info.get("database", "")
+                if _disk_full(exc):
+                    log.warning("disk_full", database=database, error=str(exc), sample_by=())
+                    return _error(507, "the node's disk is full: nothing was written (reads still work)")
+                if _busy(exc):
+                    response = _error(503, f"database {database!r} is busy; try again")
+                    response.headers["Retry-After"] = "1"
+                    return response
+                raise
 
         return guarded
 
@@ -84,33 +228,48 @@ class DataApi:
         database = request.match_info["database"]
         table = request.match_info["table"]
         for kind, name in (("database", database), ("table", table)):
-            if not NAME_RE.match(name):
+            if not NAME_RE.fullmatch(name):
                 raise BadRequest(400, f"bad {kind} name {name[:80]!r}: use 1 to 64 of A-Z a-z 0-9 _ -")
         if write and database == SYSTEM:
             raise BadRequest(403, "the system database is written through the admin API (/nodes)")
         return database, table
 
     def _id(self, request: web.Request) -> str:
-        record_id = request.match_info["id"]
-        if not record_id or len(record_id) > MAX_ID_LENGTH:
-            raise BadRequest(400, f"bad id: 1 to {MAX_ID_LENGTH} characters")
-        return record_id
+        return check_id(request.match_info["id"])
 
     def _database(self, name: str, *, write: bool) -> Database:
-        return self._ctx.database(name, create=write)
+        try:
+            return self._ctx.database(name)
+        except UnknownDatabase:
+            if not write:
+                raise
+        self._may_create(name)
+        return self._ctx.database(name, create=True)
+
+    def _may_create(self, name: str) -> None:
+        """BadRequest when this client may not create the database `name`."""
+        config = self._ctx.config
+        if not config.data.token and not is_loopback(config.listen.host):
+            raise BadRequest(403, "creating a database needs data.token set: this node listens beyond loopback")
+        limit = config.data.max_databases
+        held = sum(1 for other in self._ctx.store.names() if other != SYSTEM)
+        if held >= limit:
+            what = f"this node holds {held} databases, the limit (data.max_databases = {limit})"
+            raise BadRequest(409, f"cannot create database {name!r}: {what}")
 
     def _encode_value(self, value: Any) -> bytes:
-        data = msgspec.msgpack.encode(value)
-        if len(data) > self._max_value:
-            raise BadRequest(413, f"value of {len(data)} bytes exceeds the limit of {self._max_value}")
-        return data
+        return encode_value(value, self._max_value)
 
     async def _body(self, request: web.Request) -> Any:
-        raw = await request.read()
+        timeout = self._ctx.config.listen.request_timeout
         try:
-            return msgspec.json.decode(raw)
-        except msgspec.DecodeError as exc:
-            raise BadRequest(400, f"body is not valid JSON: {exc}") from None
+            async with asyncio.timeout(timeout):
+                raw = await request.read()
+        except TimeoutError:
+            raise BadRequest(408, f"the body did not arrive within listen.request_timeout ({timeout:g} s)") from None
+        except (ConnectionError, web.RequestPayloadError) as exc:
+            raise BadRequest(400, f"the body could not be read: {exc}") from None
+        return decode_body(raw)
 
     def _written(self, database: str, count: int) -> None:
         self._ctx.feeds.poke(database)
@@ -163,9 +322,7 @@ class DataApi:
         for index, item in enumerate(body):
             if not isinstance(item, dict) or "value" not in item or not isinstance(item.get("id"), str):
                 raise BadRequest(400, f'item {index}: expected {{"id": string, "value": any}}')
-            record_id = item["id"]
-            if not record_id or len(record_id) > MAX_ID_LENGTH:
-                raise BadRequest(400, f"item {index}: bad id: 1 to {MAX_ID_LENGTH} characters")
+            record_id = check_id(item["id"], f"item {index}: ")
             items.append((record_id, self._encode_value(item["value"])))
         if items:
             self._database(database, write=True).put_many(table, items)

@@ -24,7 +24,7 @@ import msgspec
 import psutil
 
 from shared import config as config_module
-from shared import messages
+from shared import messages, revocation
 from shared.keys import pair_key
 from shared.logs import log
 from shared.store import Store
@@ -40,6 +40,7 @@ from workers.session import PeerSession
 EXIT_OK = 0
 EXIT_BOOT_ERROR = 3
 HEARTBEAT_INTERVAL = 1.0
+REVOCATION_CHECK = 0.5
 IDLE_PROGRESS_INTERVAL = 5.0
 
 
@@ -121,11 +122,13 @@ class Worker:
             self.report(messages.Ready(worker=self.worker_id, pid=os.getpid()))
             log.info("worker_ready", pid=os.getpid())
             heartbeat = loop.create_task(self._heartbeat())
+            watch = loop.create_task(self._watch_revocations())
             stop = loop.create_task(self._stop.wait())
             await asyncio.wait({stop, pipe_task}, return_when=asyncio.FIRST_COMPLETED)
             heartbeat.cancel()
+            watch.cancel()
             stop.cancel()
-            await asyncio.gather(heartbeat, stop, return_exceptions=True)
+            await asyncio.gather(heartbeat, watch, stop, return_exceptions=True)
             await self._shutdown()
             return EXIT_OK
         finally:
@@ -209,6 +212,7 @@ class Worker:
             counters=Counters(),
             client_ssl=client_ssl,
             report=self.report,
+            ca=revocation.load_ca_cert(ca),
         )
         log.on_suppressed = lambda event, n: self.ctx.counters.inc(  # type: ignore[union-attr]
             "replicator_log_events_suppressed_total", event, value=n
@@ -295,6 +299,7 @@ class Worker:
                 rate=settings.antientropy_rate,
                 ceiling=lambda: int((ctx.wall() + settings.max_clock_skew) * 1_000_000),
                 horizon=lambda: int((ctx.wall() - settings.tombstone_retention) * 1_000_000),
+                ca=ctx.ca,
             )
             result = await round_.run()
         except Exception as exc:  # a round must never take the worker down; the coordinator logs the reason
@@ -344,6 +349,28 @@ class Worker:
                 )
             )
             await asyncio.sleep(HEARTBEAT_INTERVAL)
+
+    async def _watch_revocations(self) -> None:
+        """Whenever the registry changes, end every session, inbound or outbound, whose peer's certificate is now
+        revoked: within REVOCATION_CHECK of the revocation arriving here."""
+        assert self.ctx is not None and self._server is not None
+        seen = -1
+        while True:
+            await asyncio.sleep(REVOCATION_CHECK)
+            try:
+                version = self.ctx.store.database(SYSTEM, create=True).data_version()
+                if version == seen:
+                    continue
+                seen = version
+                await self._server.close_revoked()
+                for session in list(self._sessions.values()):
+                    identity = session.server_identity
+                    reason = self.ctx.revoked(identity) if identity is not None and session.connected else None
+                    if reason is not None:
+                        log.warning("session_revoked", peer=identity.name, serial=identity.serial, reason=reason)
+                        session.force_reconnect(None, f"the server's {reason}")
+            except Exception as exc:  # the watch must outlive a bad registry read
+                log.warning("revocation_check_failed", error=repr(exc), sample_by=())
 
     async def _shutdown(self) -> None:
         """Drain: close every session with going-away, commit what is applied, stop serving, within the deadline."""

@@ -17,12 +17,13 @@ from typing import Any
 from aiohttp import web
 
 from shared import wire
-from shared.logs import log
+from shared.logs import capture_library_logs, log
 from shared.store import UnknownDatabase
-from shared.tls import peer_identity
+from shared.tls import PeerIdentity, peer_identity
 from workers import antientropy, frames
 from workers.context import WorkerContext
-from workers.data_api import DataApi
+from workers.data_api import DataApi, answer_errors
+from workers.listener import GuardedSite
 from workers.sender import Sender
 
 
@@ -31,8 +32,8 @@ class ReplicationServer:
         self._ctx = ctx
         self._ssl = server_ssl
         self._runner: web.AppRunner | None = None
-        self._sockets: set[Any] = set()
-        app = web.Application(client_max_size=ctx.config.replication.max_frame_bytes)
+        self._sockets: dict[Any, PeerIdentity] = {}  # live replication sessions, by the peer's identity
+        app = web.Application(client_max_size=ctx.config.replication.max_frame_bytes, middlewares=[answer_errors])
         app.router.add_get("/replication", self.replication)
         app.router.add_post("/replication/antientropy", self.antientropy)
         app.router.add_routes(DataApi(ctx).routes())
@@ -40,9 +41,26 @@ class ReplicationServer:
 
     async def start(self) -> None:
         listen = self._ctx.config.listen
-        self._runner = web.AppRunner(self._app, access_log=None, handle_signals=False)
+        # aiohttp logs a bad request with its traceback, as text: on one JSON line instead, sampled.
+        capture_library_logs(log, "aiohttp", "asyncio")
+        # aiohttp's keep-alive timer runs from the moment a connection is made: a client that has not sent a whole
+        # request head within request_timeout of connecting (or of its last answer) is dropped. The rest of a body
+        # left unread after an answer is waited for as long, no longer.
+        self._runner = web.AppRunner(
+            self._app,
+            access_log=None,
+            handle_signals=False,
+            keepalive_timeout=listen.request_timeout,
+            lingering_time=listen.request_timeout,
+        )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, listen.host, listen.port, ssl_context=self._ssl, reuse_port=True)
+        counters = self._ctx.counters
+        site = GuardedSite(
+            self._runner,
+            listen,
+            self._ssl,
+            on_refused=lambda limit: counters.inc("replicator_connections_refused_total", limit),
+        )
         await site.start()
 
     async def close(self) -> None:
@@ -54,38 +72,52 @@ class ReplicationServer:
         if self._runner is not None:
             await self._runner.cleanup()
 
-    def _authorize(self, name: str, serial: str) -> str | None:
+    def _authorize(self, identity: PeerIdentity) -> str | None:
         """None when the peer may subscribe, else the reason it may not."""
+        name = identity.name
         if name == self._ctx.node:
             return f"certificate name {name!r} is this node's own"
         static = any(peer.name == name for peer in self._ctx.config.peers)
-        row = self._ctx.registry().get(name)
-        if row is None and not static:
+        if name not in self._ctx.registry() and not static:
             return f"certificate name {name!r} is not in the registry"
-        if row is not None and serial in row.revoked:
-            return f"certificate serial {serial} of {name!r} is revoked"
-        return None
+        return self._ctx.revoked(identity)
 
-    def _peer(self, request: web.Request) -> str | web.Response:
-        """The authenticated peer's node name, or the response that refuses the request."""
+    def _peer(self, request: web.Request) -> PeerIdentity | web.Response:
+        """The authenticated peer's identity, or the response that refuses the request."""
         transport = request.transport
         ssl_object = transport.get_extra_info("ssl_object") if transport is not None else None
         identity = peer_identity(ssl_object) if ssl_object is not None else None
         if identity is None:
             log.warning("send_auth_refused", peer="", database="", reason="no client certificate")
             return web.Response(status=401, text="a client certificate from the cluster CA is required\n")
-        refusal = self._authorize(identity.name, identity.serial)
+        refusal = self._authorize(identity)
         if refusal is not None:
             log.warning("send_auth_refused", peer=identity.name, database="", reason=refusal)
             return web.Response(status=403, text=refusal + "\n")
-        return identity.name
+        return identity
+
+    async def close_revoked(self) -> int:
+        """Close every live session whose peer certificate is revoked now; returns how many."""
+        closing = []
+        for ws, identity in list(self._sockets.items()):
+            reason = self._ctx.revoked(identity)
+            if reason is not None:
+                log.warning("session_revoked", peer=identity.name, serial=identity.serial, reason=reason)
+                closing.append(frames.close(ws, wire.CLOSE_POLICY, reason))
+        await asyncio.gather(*closing, return_exceptions=True)
+        return len(closing)
 
     async def antientropy(self, request: web.Request) -> web.Response:
         """One anti-entropy query from a peer (see `workers.antientropy`): msgpack in, msgpack out."""
-        peer = self._peer(request)
-        if isinstance(peer, web.Response):
-            return peer
-        body = await request.read()
+        identity = self._peer(request)
+        if isinstance(identity, web.Response):
+            return identity
+        peer = identity.name
+        try:
+            async with asyncio.timeout(self._ctx.config.listen.request_timeout):
+                body = await request.read()
+        except TimeoutError:
+            return web.Response(status=408, text="the query did not arrive within listen.request_timeout\n")
         if len(body) > antientropy.MAX_QUERY_BYTES:
             return web.Response(status=413, text=f"a query is at most {antientropy.MAX_QUERY_BYTES} bytes\n")
         try:
@@ -103,19 +135,20 @@ class ReplicationServer:
         return web.Response(body=antientropy.encode(reply), content_type="application/msgpack")
 
     async def replication(self, request: web.Request) -> web.StreamResponse:
-        identity_name = self._peer(request)
-        if isinstance(identity_name, web.Response):
-            return identity_name
+        identity = self._peer(request)
+        if isinstance(identity, web.Response):
+            return identity
+        identity_name = identity.name
         ws = web.WebSocketResponse(
             protocols=[wire.SUBPROTOCOL],
             max_msg_size=self._ctx.config.replication.max_frame_bytes,
-            heartbeat=20.0,
+            heartbeat=5.0,  # a frozen peer misses its pong: the session ends within about 10 s
         )
         await ws.prepare(request)
         if ws.ws_protocol != wire.SUBPROTOCOL:
             await frames.close(ws, wire.CLOSE_POLICY, f"subprotocol {wire.SUBPROTOCOL} is required")
             return ws
-        self._sockets.add(ws)
+        self._sockets[ws] = identity
         sender = Sender(self._ctx, ws, identity_name)
         code, reason = wire.CLOSE_NORMAL, "session ended"
         try:
@@ -129,6 +162,6 @@ class ReplicationServer:
             code, reason = exc.close_code, exc.reason
             log.warning("session_rejected", peer=identity_name, database=sender.database, code=code, reason=reason)
         finally:
-            self._sockets.discard(ws)
+            self._sockets.pop(ws, None)
             await frames.close(ws, code, reason)
         return ws

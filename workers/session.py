@@ -21,13 +21,14 @@ from typing import Any
 
 import aiohttp
 
-from shared import messages, wire
+from shared import messages, revocation, wire
 from shared.backoff import Backoff
 from shared.hlc import physical_seconds
 from shared.logs import log
 from shared.store import BadName, BadRecord
+from shared.tls import PeerIdentity, peer_identity
 from workers import frames
-from workers.context import WorkerContext
+from workers.context import SYSTEM, WorkerContext
 
 HANDSHAKE_TIMEOUT = 15.0
 DIAL_TIMEOUT = 15.0
@@ -92,6 +93,7 @@ class PeerSession:
         self.lag_seconds = 0.0
         self.applied = 0
         self.caught_up = False
+        self.server_identity: PeerIdentity | None = None  # the certificate the peer presented, once dialled
         self._dirty = False
         self._last_progress = 0.0
 
@@ -266,7 +268,7 @@ class PeerSession:
             protocols=[wire.SUBPROTOCOL],
             ssl=self._ctx.client_ssl,
             max_msg_size=self._ctx.config.replication.max_frame_bytes,
-            heartbeat=20.0,
+            heartbeat=5.0,  # a frozen peer misses its pong: the session ends within about 10 s
             timeout=aiohttp.ClientWSTimeout(ws_close=5.0),
         )
 
@@ -296,6 +298,16 @@ class PeerSession:
     async def _stream(self, ws: Any, session: int) -> None:
         ctx = self._ctx
         settings = ctx.config.replication
+        # The TLS layer checked the certificate's chain and its host; the node it names, and whether it is
+        # revoked, are checked here, before anything is sent.
+        identity = peer_identity(ws.get_extra_info("ssl_object"))
+        if identity is None or identity.name != self.peer:
+            found = identity.name if identity is not None else "no node name"
+            raise wire.Refused(f"the server's certificate names {found!r}, not {self.peer!r}")
+        refusal = ctx.revoked(identity)
+        if refusal is not None:
+            raise wire.Refused(f"the server's {refusal}")
+        self.server_identity = identity
         await frames.send(
             ws,
             wire.Hello(
@@ -383,6 +395,8 @@ class PeerSession:
                 raise wire.ProtocolViolation(f"unexpected {type(message).__name__} from the sender")
             self._check_clock(message)
             refusal = wire.bad_value(message.entries)
+            if refusal is None and self.database == SYSTEM:
+                refusal = revocation.refusal(message.entries, ctx.ca)
             if refusal is not None:
                 raise wire.ProtocolViolation(f"batch refused, nothing applied: {refusal}")
             try:

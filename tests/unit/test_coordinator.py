@@ -82,7 +82,7 @@ def make_node(loop: VirtualTimeLoop, rng: Any = None, slots: int = 2) -> tuple[N
                 "stagger": STAGGER,
                 "wedge_threshold": WEDGE,
                 "stall_threshold": STALL,
-                "heartbeat_timeout": 1e9,
+                "heartbeat_timeout": 86400.0,
             },
         },
         "",
