@@ -290,6 +290,7 @@ class LocalCluster:
         self._proxy_factory = proxy_factory
         self._links: dict[frozenset[str], ProxiedLink] = {}
         self._http: aiohttp.ClientSession | None = None
+        self._data_ssl: Any = None
 
     def prepare(self) -> None:
         self.open_links()
@@ -370,7 +371,11 @@ class LocalCluster:
 
     @property
     def data_ssl(self) -> Any:
-        return client_context(self.dir / "ca" / "ca.pem")
+        # One context for every request: aiohttp pools connections by it, so a new one per request would open a new
+        # connection each time and leave the old ones idle on the node (and count against its per-client cap).
+        if self._data_ssl is None:
+            self._data_ssl = client_context(self.dir / "ca" / "ca.pem")
+        return self._data_ssl
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}

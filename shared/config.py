@@ -45,7 +45,7 @@ class ListenSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Open node-port connections per worker; and per client address, of those without a cluster certificate (a
     # peer opens a session per database). Over either, a new connection is closed before any TLS work.
     max_connections: int = 1024
-    max_connections_per_client: int = 64
+    max_connections_per_client: int = 256
 
 
 class TlsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

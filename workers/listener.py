@@ -1,10 +1,12 @@
 """The node port's listener: which connections get TLS at all, and how long a client may take to start a request.
 
 Every worker accepts on the shared node port. A new connection is closed at once, before any TLS work, when the
-worker holds `listen.max_connections` connections, or when its address holds `listen.max_connections_per_client`
-connections that have not presented a cluster certificate. A peer presents one and opens a session per database, so
-only the first cap holds it; an anonymous client gets no such room. Each refusal is counted
-(`replicator_connections_refused_total{limit}`) and logged, sampled.
+worker holds `listen.max_connections` connections. Once its handshake is done, a connection without a cluster
+certificate is closed when its address already holds `listen.max_connections_per_client` such connections. A peer
+presents a certificate and opens a session per database (a thousand databases are a thousand sessions from one
+address, dialled in a burst), so only the first cap holds it; the handshakes in flight are bounded by that cap and
+by the handshake deadline below. Each refusal is counted (`replicator_connections_refused_total{limit}`) and logged,
+sampled.
 
 A client must finish its TLS handshake within `listen.request_timeout` of connecting or it is dropped here; after
 the handshake aiohttp's keep-alive timer, set to the same timeout by `workers.server`, drops a connection that has not
@@ -53,7 +55,8 @@ class _TLS(SSLProtocol):
 
 
 class ConnectionLimits:
-    """The connections one worker holds, and by client address those without a cluster certificate."""
+    """The connections one worker holds, and by client address those that finished TLS without a cluster
+    certificate (anonymous)."""
 
     def __init__(self, max_connections: int, max_per_client: int) -> None:
         self.max_connections = max_connections
@@ -69,19 +72,20 @@ class ConnectionLimits:
         return len(self._anonymous)
 
     def admit(self, address: str) -> str | None:
-        """Take a new connection from `address`, anonymous until `certified`; None, or the limit that refuses it."""
+        """Take a new connection (its handshake still to come); None, or the limit that refuses it."""
         if self.open >= self.max_connections:
             return LIMIT_TOTAL
+        self.open += 1
+        return None
+
+    def anonymous_done(self, address: str) -> str | None:
+        """An admitted connection from `address` finished TLS without a cluster certificate: None when it counts
+        against its address from now on, or the limit that refuses it (then `release` it as not anonymous)."""
         held = self._anonymous.get(address, 0)
         if held >= self.max_per_client:
             return LIMIT_PER_CLIENT
-        self.open += 1
         self._anonymous[address] = held + 1
         return None
-
-    def certified(self, address: str) -> None:
-        """A connection from `address` presented a cluster certificate: it stops counting against the address."""
-        self._drop(address)
 
     def release(self, address: str, *, anonymous: bool) -> None:
         """An admitted connection closed."""
@@ -148,7 +152,7 @@ class _Gate(asyncio.BufferedProtocol):
         self._set_state(_State.HANDSHAKE)
         site.admitted()
         loop = site.loop
-        self._transport, self._address, self._anonymous = transport, address, True
+        self._transport, self._address, self._anonymous = transport, address, False
         site.gates.add(self)
         handshake: asyncio.Future[None] = loop.create_future()
         handshake.add_done_callback(self._handshake_done)
@@ -165,8 +169,13 @@ class _Gate(asyncio.BufferedProtocol):
         self._set_state(_State.OPEN)
         ssl_object = app_transport.get_extra_info("ssl_object")
         if ssl_object is not None and ssl_object.getpeercert(binary_form=True):
-            self._anonymous = False
-            self._site.limits.certified(self._address)
+            return  # a cluster certificate: only the worker's cap holds it
+        refused = self._site.limits.anonymous_done(self._address)
+        if refused is None:
+            self._anonymous = True
+            return
+        self._site.refused(refused, self._address)
+        app_transport.abort()
 
     def abort(self) -> None:
         """Drop the connection if its TLS handshake has not finished (an open one belongs to aiohttp)."""

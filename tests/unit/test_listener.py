@@ -10,7 +10,7 @@ from workers.listener import LIMIT_PER_CLIENT, LIMIT_TOTAL, ConnectionLimits
 
 addresses = st.sampled_from(["10.0.0.1", "10.0.0.2", "::1", ""])
 steps = st.lists(
-    st.tuples(st.sampled_from(["connect", "certify", "close"]), addresses, st.integers(0, 50)), max_size=300
+    st.tuples(st.sampled_from(["connect", "anonymous", "close"]), addresses, st.integers(0, 50)), max_size=300
 )
 
 
@@ -18,42 +18,48 @@ steps = st.lists(
 @given(st.integers(1, 12), st.integers(1, 6), steps)
 def test_the_caps_hold_and_everything_is_released(total: int, per_client: int, script: list) -> None:
     limits = ConnectionLimits(total, per_client)
-    open_: list[tuple[str, bool]] = []  # (address, anonymous) of the admitted connections
+    # (address, state) of the admitted connections: "handshake", "anonymous" (counted), "certified"
+    open_: list[tuple[str, str]] = []
     for action, address, pick in script:
         if action == "connect":
-            anonymous_here = sum(1 for held, anonymous in open_ if held == address and anonymous)
             refused = limits.admit(address)
             if len(open_) >= total:
                 assert refused == LIMIT_TOTAL
-            elif anonymous_here >= per_client:
-                assert refused == LIMIT_PER_CLIENT
             else:
                 assert refused is None
-                open_.append((address, True))
+                open_.append((address, "handshake"))
         elif open_:
             index = pick % len(open_)
-            held, anonymous = open_[index]
-            if action == "certify" and anonymous:
-                limits.certified(held)
-                open_[index] = (held, False)
+            held, state = open_[index]
+            if action == "anonymous" and state == "handshake":
+                here = sum(1 for each, kind in open_ if each == held and kind == "anonymous")
+                refused = limits.anonymous_done(held)
+                if here >= per_client:
+                    assert refused == LIMIT_PER_CLIENT
+                    limits.release(held, anonymous=False)
+                    del open_[index]
+                else:
+                    assert refused is None
+                    open_[index] = (held, "anonymous")
             elif action == "close":
-                limits.release(held, anonymous=anonymous)
+                limits.release(held, anonymous=state == "anonymous")
                 del open_[index]
         assert limits.open == len(open_) <= total
         for each in {held for held, _ in open_}:
-            count = sum(1 for held, anonymous in open_ if held == each and anonymous)
+            count = sum(1 for held, kind in open_ if held == each and kind == "anonymous")
             assert limits.anonymous(each) == count <= per_client
-    for held, anonymous in open_:
-        limits.release(held, anonymous=anonymous)
+    for held, state in open_:
+        limits.release(held, anonymous=state == "anonymous")
     assert (limits.open, limits.addresses) == (0, 0)
 
 
-def test_a_certified_connection_leaves_room_for_its_address() -> None:
+def test_only_anonymous_connections_count_against_their_address() -> None:
     limits = ConnectionLimits(max_connections=10, max_per_client=2)
-    assert limits.admit("10.0.0.1") is None
-    assert limits.admit("10.0.0.1") is None
-    assert limits.admit("10.0.0.1") == LIMIT_PER_CLIENT
-    limits.certified("10.0.0.1")  # a peer: its certificate frees its place
-    assert limits.admit("10.0.0.1") is None
-    assert limits.admit("10.0.0.2") is None
-    assert (limits.open, limits.anonymous("10.0.0.1"), limits.anonymous("10.0.0.2")) == (4, 2, 1)
+    for _ in range(5):  # a peer's burst of sessions: none counts against its address
+        assert limits.admit("10.0.0.1") is None
+    assert limits.anonymous_done("10.0.0.1") is None
+    assert limits.anonymous_done("10.0.0.1") is None
+    assert limits.anonymous_done("10.0.0.1") == LIMIT_PER_CLIENT  # the third anonymous one is closed
+    limits.release("10.0.0.1", anonymous=False)
+    assert limits.anonymous_done("10.0.0.2") is None if limits.admit("10.0.0.2") is None else False
+    assert (limits.open, limits.anonymous("10.0.0.1"), limits.anonymous("10.0.0.2")) == (5, 2, 1)
