@@ -9,6 +9,7 @@ A revocation names a node and either one certificate serial, or (no serial) ever
 before the revocation was signed: the node is re-admitted with a certificate issued afterwards. "Issued" is read
 from the certificate's start of validity, which `replicator certs node` sets 5 minutes before it issues one (for
 clocks that lag): a certificate whose validity starts more than 5 minutes before the revocation is revoked.
+Certificate times have a precision of one second, so one issued within the revocation's second is revoked too.
 """
 
 from __future__ import annotations
