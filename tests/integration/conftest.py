@@ -7,6 +7,7 @@ running after SIGTERM is killed with its whole process group.
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -71,6 +72,27 @@ async def wait_for(predicate: Callable[[], Any], timeout: float, what: str, inte
         return await poll_until(check, timeout, lambda _: what, interval)
     except TimeoutError:
         raise AssertionError(f"timed out after {timeout} s waiting for {what}") from None
+
+
+def log_records(node: Any) -> list[dict[str, Any]]:
+    """Every line of a node's log (`LocalNode`), each of which must be a JSON object with an event: a traceback
+    line would not be. A line that is not shows with the 40 lines from it."""
+    lines = node.log_path.read_text(errors="replace").splitlines()
+    records = []
+    for index, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict) or "event" not in record:
+            context = "\n".join(lines[index : index + 40])
+            raise AssertionError(f"{node.log_path}:{index + 1} is not a JSON event:\n{context}")
+        records.append(record)
+    return records
+
+
+def assert_log_is_json(node: Any) -> None:
+    log_records(node)
 
 
 def audit_duplicates(cluster: LocalCluster, name: str, database: str) -> list[tuple]:

@@ -8,7 +8,6 @@ traceback is not).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from coordinator.local_cluster import LocalCluster, LocalNode
-from tests.integration.conftest import FAST, assert_identical, wait_for, write_many
+from tests.integration.conftest import FAST, assert_identical, assert_log_is_json, wait_for, write_many
 
 DATABASE = "precious"
 RECORDS = 200
@@ -45,17 +44,6 @@ def damage(path: Path, kind: str) -> None:
 
 def entry_kind(path: Path) -> str:
     return "directory" if path.is_dir() else "file" if path.is_file() else "nothing"
-
-
-def assert_log_is_json(node: LocalNode) -> None:
-    lines = node.log_path.read_text().splitlines()
-    for index, line in enumerate(lines):
-        if line.strip():
-            try:
-                json.loads(line)
-            except ValueError:
-                context = "\n".join(lines[index : index + 40])
-                raise AssertionError(f"{node.name}'s log has lines that are not JSON:\n{context}") from None
 
 
 async def assert_serving(cluster: LocalCluster, name: str) -> None:

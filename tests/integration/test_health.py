@@ -9,7 +9,6 @@ their logs a JSON object.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -21,22 +20,11 @@ from pathlib import Path
 import pytest
 
 from coordinator.local_cluster import LocalCluster, LocalNode
-from tests.integration.conftest import FAST, assert_identical, wait_for
+from tests.integration.conftest import FAST, assert_identical, assert_log_is_json, wait_for
 
 DATABASE = "health"
 HEARTBEAT_TIMEOUT = 3.0
 FROZEN_PEER_DEADLINE = 15.0
-
-
-def assert_log_is_json(node: LocalNode) -> None:
-    lines = node.log_path.read_text().splitlines()
-    for index, line in enumerate(lines):
-        if line.strip():
-            try:
-                json.loads(line)
-            except ValueError:
-                context = "\n".join(lines[index : index + 40])
-                raise AssertionError(f"{node.name}'s log has lines that are not JSON:\n{context}") from None
 
 
 @contextmanager

@@ -26,25 +26,12 @@ import pytest
 
 from coordinator.local_cluster import HOST, LocalCluster, LocalNode
 from shared.tls import client_context, issue_node_cert
-from tests.integration.conftest import wait_for
+from tests.integration.conftest import log_records, wait_for
 
 TOKEN = "s3cret"
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------------
-
-
-def log_records(node: LocalNode) -> list[dict[str, Any]]:
-    """Every line of the node's log, each of which must be a JSON object (a traceback line would not be)."""
-    records = []
-    for number, line in enumerate(node.log_path.read_text(errors="replace").splitlines(), 1):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            raise AssertionError(f"{node.log_path}:{number} is not JSON: {line[:300]!r}") from None
-        assert isinstance(record, dict) and "event" in record, (number, line[:300])
-        records.append(record)
-    return records
 
 
 async def assert_serving(cluster: LocalCluster, name: str = "a", database: str = "alive") -> list[dict[str, Any]]:

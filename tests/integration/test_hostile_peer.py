@@ -10,7 +10,6 @@ ends with the node serving and its log still JSON lines.
 from __future__ import annotations
 
 import asyncio
-import json
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -23,16 +22,7 @@ from aiohttp import web
 from coordinator.local_cluster import LocalCluster, free_ports
 from shared import wire
 from shared.tls import client_context, issue_node_cert, server_context
-from tests.integration.conftest import FAST, wait_for
-
-
-def _log_is_json(cluster: LocalCluster, name: str) -> None:
-    """Every line the node wrote is one JSON object: no traceback got into the log."""
-    for number, line in enumerate(cluster[name].log_path.read_text(errors="replace").splitlines(), 1):
-        try:
-            assert isinstance(json.loads(line), dict)
-        except (ValueError, AssertionError):
-            raise AssertionError(f"{name}'s log line {number} is not a JSON object: {line[:200]!r}") from None
+from tests.integration.conftest import FAST, assert_log_is_json, wait_for
 
 
 async def _register(cluster: LocalCluster, name: str, url: str, replicates: bool) -> None:
@@ -119,7 +109,7 @@ async def test_inbound_lies_are_refused_and_create_nothing(pair: tuple[LocalClus
 
     assert (await cluster.data("a", "GET", "/data/real/t/x"))[0] == 200
     await cluster.wait_converged("real", timeout=30, expect_count=1)
-    _log_is_json(cluster, "a")
+    assert_log_is_json(cluster["a"])
 
 
 class FakePeer:
@@ -195,7 +185,7 @@ async def test_a_poisoned_batch_is_refused_whole(pair: tuple[LocalCluster, Path]
         await cluster.wait_converged("after_poison", ["a", "b"], timeout=30, expect_count=1)
     finally:
         await peer.close()
-    _log_is_json(cluster, "a")
+    assert_log_is_json(cluster["a"])
 
 
 async def test_a_peer_that_fails_after_the_handshake_is_not_redialled_twice_a_second(
@@ -222,7 +212,7 @@ async def test_a_peer_that_fails_after_the_handshake_is_not_redialled_twice_a_se
         await cluster.wait_converged("after_mute", ["a", "b"], timeout=30, expect_count=1)
     finally:
         await peer.close()
-    _log_is_json(cluster, "a")
+    assert_log_is_json(cluster["a"])
 
 
 async def test_nodes_with_different_frame_limits_never_send_a_frame_the_other_refuses(
@@ -250,4 +240,4 @@ async def test_nodes_with_different_frame_limits_never_send_a_frame_the_other_re
     finally:
         await cluster.close()
     for name in ("a", "b"):
-        _log_is_json(cluster, name)
+        assert_log_is_json(cluster[name])
