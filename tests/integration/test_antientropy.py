@@ -69,7 +69,24 @@ async def _settled(cluster: LocalCluster, database: str = DATABASE) -> None:
         return True
 
     await wait_for(done, 60, f"every node to count every origin of {database} complete")
-    await asyncio.sleep(1.0)  # the last marks of the caught-up batches land
+    await wait_for(lambda: _marks_landed(cluster, database), 30, f"the last marks of {database} on every node")
+
+
+def _marks_landed(cluster: LocalCluster, database: str) -> bool:
+    """Every node's file counts every other origin complete up to that origin's newest write (read from the files)."""
+    tops: dict[str, int] = {}
+    completes: dict[str, dict[str, int]] = {}
+    for name in cluster.nodes:
+        with closing(sqlite3.connect(f"file:{_file(cluster, name, database)}?mode=ro", uri=True)) as conn:
+            for origin, top in conn.execute("SELECT origin, max(version) FROM records GROUP BY origin"):
+                tops[origin] = max(tops.get(origin, 0), top)
+            completes[name] = dict(conn.execute("SELECT origin, complete FROM origins"))
+    return all(
+        completes[name].get(origin, 0) >= top
+        for name in cluster.nodes
+        for origin, top in tops.items()
+        if origin != name
+    )
 
 
 async def _converged_within(
