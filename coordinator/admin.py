@@ -1,11 +1,19 @@
 """Admin HTTP, served by the coordinator (plain HTTP, loopback by default).
 
 GET /metrics /healthz /readyz /status /nodes /digest/{database}
-PUT /nodes/{name} {"url", "databases", "replicates"[, "leader", "revoked"]}   DELETE /nodes/{name}
+GET /ca   the cluster CA certificates this node trusts (tls.ca), PEM, so that a new node can check it was issued by
+    the same CA before it joins (`replicator clone`); certificates only, never a key
+PUT /nodes/{name} {"url", "databases", "replicates"[, "leader"]}: an introduction of another node, signed by this
+    one (shared.membership); a node's own row always wins over it.   DELETE /nodes/{name}
 POST /antientropy/{database} /antientropy [?timeout=SECONDS]   run an anti-entropy round now with every peer of
     the database (of every database the node holds) and answer when all came back:
     {"rounds": [{"peer", "database", "buckets_compared", "divergent_buckets", "repaired", "bytes", "seconds",
     "error"}], "repaired": total}
+POST /repair/blobs/{database} [?timeout=SECONDS]   fetch again from peers every blob of the database that is missing
+    or damaged here, paced (workers.blob_repair); answers when done: {"database", "scanned", "missing", "repaired",
+    "failed": [{"table", "id", "hash", "reason"}]}, 500 with "error" when it stopped early
+DELETE /databases/{name}   delete a database cluster-wide (shared.dropped): {"name", "version"}, the version being
+    the deletion floor; 400 for a bad name or `system`, 404 when neither this node nor the registry knows it
 """
 
 from __future__ import annotations
@@ -16,15 +24,17 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from coordinator.blob_repairs import NoWorker, WorkerExited
 from coordinator.filecheck import WriteProbe
 from coordinator.metrics import CONTENT_TYPE
 from coordinator.view import AdminView
 from shared import config as config_module
-from shared import revocation
+from shared import membership, revocation
 from shared.config import DATABASE_PATTERN_RE, NAME_RE
 from shared.keys import normalize_url
 from shared.logs import capture_library_logs, log
-from shared.store import SYSTEM, BadName, NodeRow, UnknownDatabase, delete_node, read_nodes, write_node
+from shared.store import SYSTEM, BadName, NodeRow, UnknownDatabase
+from shared.tls import TlsConfigError, ca_certificates, certificates_pem
 
 _json = msgspec.json.Encoder()
 MAX_WAIT = 3600.0  # the longest `?timeout=` a run-now request may ask for
@@ -57,12 +67,15 @@ class AdminServer:
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/status", self.status)
         app.router.add_get("/nodes", self.nodes)
+        app.router.add_get("/ca", self.ca)
         app.router.add_put("/nodes/{name}", self.put_node)
         app.router.add_put("/nodes/{name}/revocations", self.put_revocation)
         app.router.add_delete("/nodes/{name}", self.delete_node)
         app.router.add_get("/digest/{database}", self.digest)
+        app.router.add_delete("/databases/{name}", self.delete_database)
         app.router.add_post("/antientropy", self.antientropy)
         app.router.add_post("/antientropy/{database}", self.antientropy)
+        app.router.add_post("/repair/blobs/{database}", self.repair_blobs)
         self._app = app
 
     async def start(self) -> None:
@@ -111,27 +124,53 @@ class AdminServer:
         return _reply(status_document(self._node))
 
     async def nodes(self, request: web.Request) -> web.Response:
-        rows = read_nodes(self._node.system())
+        rows = self._node.verifier.listing(self._node.system(), self._node.revoked)
         static = {peer.name: peer.url for peer in self._node.config.peers}
         listing = []
         for name in sorted(set(rows) | set(static)):
-            row = rows.get(name)
-            item = msgspec.to_builtins(row) if row is not None else {"name": name, "url": static[name]}
+            found = rows.get(name)
+            if found is not None:
+                item = msgspec.to_builtins(found[0])
+                item["source"] = found[2]
+            else:
+                item = {"name": name, "url": static[name], "source": "config"}
             item["static"] = name in static
             item["self"] = name == self._node.name
             listing.append(item)
         return _reply(listing)
 
+    async def ca(self, request: web.Request) -> web.Response:
+        config = self._node.config
+        try:
+            certs = ca_certificates(config_module.resolve_path(config, config.tls.ca))
+        except TlsConfigError as exc:
+            return _error(500, f"cannot read the CA certificate: {exc}")
+        return web.Response(body=certificates_pem(certs), content_type="application/x-pem-file")
+
     async def put_node(self, request: web.Request) -> web.Response:
+        """Introduce another node: a row signed by this node that lets the cluster admit and dial it until it
+        writes its own (which always wins). A node's own row comes from its config, so it cannot be set here."""
         name = request.match_info["name"]
         if not NAME_RE.match(name):
             return _error(400, f"bad node name {name[:80]!r}: use 1 to 64 of A-Z a-z 0-9 _ -")
+        if name == self._node.name:
+            return _error(
+                409,
+                "this node's own row is written from its config (node.url, replication.databases,"
+                " replication.mesh): change the config and reload",
+            )
         try:
             update = msgspec.json.decode(await request.read(), type=NodeUpdate)
         except msgspec.ValidationError as exc:
             return _error(400, f"bad node: {exc}")
         except msgspec.DecodeError as exc:
             return _error(400, f"body is not valid JSON: {exc}")
+        if update.revoked is not None:
+            return _error(
+                400,
+                "revoked: serials in registry rows are no longer honoured; revoke a certificate with"
+                " `replicator certs revoke` (signed by the cluster CA)",
+            )
         try:
             url = normalize_url(update.url)
         except ValueError as exc:
@@ -141,20 +180,24 @@ class AdminServer:
         for pattern in update.databases:
             if not DATABASE_PATTERN_RE.match(pattern):
                 return _error(400, f"bad databases: {pattern!r} is neither '*' nor a database name")
+        signer = self._node.signer
+        if signer is None:
+            return _error(503, "the node has not loaded its certificate yet")
         system = self._node.system()
-        current = read_nodes(system).get(name)
+        current = self._node.verifier.listing(system, self._node.revoked).get(name)
         row = NodeRow(
             name=name,
             url=url,
             databases=update.databases,
             replicates=update.replicates,
-            leader=update.leader if update.leader is not None else (current.leader if current else False),
-            revoked=update.revoked if update.revoked is not None else (list(current.revoked) if current else []),
-            holds=list(current.holds) if current else [],
+            leader=bool(update.leader),
         )
-        version = write_node(system, row)
+        version = membership.write(system, signer, membership.INTRODUCTIONS, row)
         self._node.poke_registry()
-        return _reply({"name": name, "version": version})
+        answer: dict[str, Any] = {"name": name, "version": version, "introduced_by": self._node.name}
+        if current is not None and current[2] == "own":
+            answer["note"] = f"{name} has its own row, which takes precedence over an introduction"
+        return _reply(answer)
 
     async def put_revocation(self, request: web.Request) -> web.Response:
         """Store a revocation the cluster CA signed (the document `replicator certs revoke` prints). It replicates
@@ -164,7 +207,7 @@ class AdminServer:
             return _error(400, f"bad node name {name[:80]!r}: use 1 to 64 of A-Z a-z 0-9 _ -")
         config = self._node.config
         try:
-            ca = revocation.load_ca_cert(config_module.resolve_path(config, config.tls.ca))
+            ca = revocation.load_ca_certs(config_module.resolve_path(config, config.tls.ca))
             found = revocation.parse(await request.read(), ca)
         except revocation.BadRevocation as exc:
             return _error(400, str(exc))
@@ -183,10 +226,24 @@ class AdminServer:
             return _error(400, f"bad node name {name[:80]!r}")
         if name == self._node.name:
             return _error(409, "a node cannot delete its own registry row")
-        if delete_node(self._node.system(), name) is None:
+        if not membership.remove(self._node.system(), name):
             return _error(404, f"no node {name!r} in the registry")
         self._node.poke_registry()
         return _reply({"name": name, "deleted": True})
+
+    async def delete_database(self, request: web.Request) -> web.Response:
+        """Delete a database cluster-wide (`shared.dropped`): a marker whose version is the deletion floor. Every
+        node drops the records up to it, for good, and removes the database when nothing is left of it."""
+        name = request.match_info["name"]
+        if not NAME_RE.fullmatch(name):
+            return _error(400, f"bad database name {name[:80]!r}: use 1 to 64 of A-Z a-z 0-9 _ -")
+        if name == SYSTEM:
+            return _error(400, "the system database holds the registry and cannot be deleted")
+        drops = self._node.drops
+        if not drops.known(name):
+            return _error(404, f"no database {name!r} on this node, and no node of the registry holds one")
+        version = drops.request(name)
+        return _reply({"name": name, "version": version})
 
     async def digest(self, request: web.Request) -> web.Response:
         name = request.match_info["database"]
@@ -221,6 +278,39 @@ class AdminServer:
             {"rounds": [report.summary() for report in reports], "repaired": sum(r.repaired for r in reports)}
         )
 
+    async def repair_blobs(self, request: web.Request) -> web.Response:
+        name = request.match_info["database"]
+        if not NAME_RE.match(name):
+            return _error(400, f"bad database name {name[:80]!r}: use 1 to 64 of A-Z a-z 0-9 _ -")
+        if name not in self._node.holds:
+            return _error(404, f"this node does not hold database {name!r}")
+        timeout = MAX_WAIT
+        if "timeout" in request.query:
+            try:
+                timeout = float(request.query["timeout"])
+            except ValueError:
+                timeout = -1.0
+            if not 0 < timeout <= MAX_WAIT:
+                return _error(400, f"bad timeout {request.query['timeout'][:40]!r}: seconds in (0, {MAX_WAIT:g}]")
+        try:
+            answer = await self._node.blob_repairs.run(name, timeout)
+        except NoWorker as exc:
+            return _error(503, str(exc))
+        except WorkerExited as exc:
+            return _error(500, str(exc))
+        except TimeoutError:
+            return _error(504, f"the repair did not answer within {timeout:g} s; it goes on")
+        document: dict[str, Any] = {
+            "database": answer.database,
+            "scanned": answer.scanned,
+            "missing": answer.missing,
+            "repaired": answer.repaired,
+            "failed": msgspec.to_builtins(answer.failed),
+        }
+        if answer.error:
+            document["error"] = answer.error
+        return _reply(document, 500 if answer.error else 200)
+
 
 def status_document(node: AdminView) -> dict[str, Any]:
     now = node.loop.time()
@@ -254,6 +344,10 @@ def status_document(node: AdminView) -> dict[str, Any]:
                     "last_error": pair.last_error or None,
                     "applied": pair.applied,
                     "caught_up": pair.caught_up,
+                    "copy": pair.copy(now),
+                    # The current session's records: received (won or not) and applied; a record received
+                    # again after a resume is the difference.
+                    "session_records": {"received": pair.received, "applied": pair.session_applied},
                     "exclude": list(pair.payload.exclude),
                     "connected_for_s": round(now - pair.connected_at, 3)
                     if pair.connected and pair.connected_at is not None

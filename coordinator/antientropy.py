@@ -393,6 +393,13 @@ class AntiEntropy:
             self._scrubs[database] = state
             self._arm_scrub(state)
 
+    def forget_database(self, database: str) -> None:
+        """The database is no longer held (removed from this node): its scrub schedule and last pass go."""
+        state = self._scrubs.pop(database, None)
+        if state is not None and state.timer is not None:
+            state.timer.cancel()
+            state.timer = None
+
     def _arm_scrub(self, state: _Scrub) -> None:
         if state.timer is not None:
             state.timer.cancel()

@@ -101,6 +101,55 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help='print one JSON object: {"identical", "nodes", "databases", "differences"} (and "repairs" with --repair)',
     )
+
+    delete_database = commands.add_parser(
+        "delete-database",
+        help="delete a database cluster-wide (DELETE /databases/NAME on one node's admin port)",
+        description="Delete a database on every node: each drops every record written to it up to the deletion, for "
+        "good, and removes the database. Writes after the deletion create it again. Exit 0 when the node took the "
+        "request, 1 when it refused it or cannot be reached, 2 on a usage error.",
+    )
+    delete_database.add_argument("--admin", required=True, help="a node's admin URL, e.g. http://127.0.0.1:9926")
+    delete_database.add_argument("name", help="the database to delete")
+    delete_database.add_argument(
+        "--token", default="", help="sent as Authorization: Bearer TOKEN (an admin port behind an authenticating proxy)"
+    )
+
+    clone = commands.add_parser(
+        "clone",
+        help="make a new node from a running one: register with it, copy every database, then run (or stop)",
+        description="Bootstrap an empty node from a running one, the leader: wait until the leader is ready, check "
+        "that its cluster CA is this node's and issued its certificate, register this node with it (an introduction "
+        "signed by the leader), copy every database the leader holds, then run on as a normal node (or stop, with "
+        "--no-run). Exit 0 when done, 1 when the leader is unreachable, never ready, refuses the registration or the "
+        "sessions, 2 on a usage or configuration error (a node.data_dir that is not empty), 3 on a certificate or "
+        "port problem (another cluster CA, a certificate that does not name the node, a port in use).",
+    )
+    clone.add_argument(
+        "--leader",
+        required=True,
+        help="the leader's admin URL, http://HOST:ADMIN_PORT (readiness, its CA, its registry and introductions are "
+        "served there; not its wss:// node URL)",
+    )
+    clone.add_argument(
+        "--config", required=True, help="the new node's config file (`replicator init` writes one); node.data_dir empty"
+    )
+    clone.add_argument(
+        "--no-run", action="store_true", help="stop cleanly once every database is copied (exit 0) instead of running"
+    )
+    repair_blobs = commands.add_parser(
+        "repair-blobs",
+        help="fetch again from peers the blobs a node is missing (POST /repair/blobs/DATABASE on its admin port)",
+        description="Scan a database on one node for records whose blob file is absent or damaged and fetch each from "
+        "the peers that hold the database, paced. Exit 0 when every one was repaired (or none was missing), 1 when "
+        "some could not be or the node cannot be reached, 2 on a usage error.",
+    )
+    repair_blobs.add_argument("--admin", required=True, help="the node's admin URL, e.g. http://127.0.0.1:9926")
+    repair_blobs.add_argument("database", help="the database to repair")
+    repair_blobs.add_argument("--json", action="store_true", help="print the node's JSON answer")
+    repair_blobs.add_argument(
+        "--timeout", type=float, default=3600.0, help="seconds to wait for the repair to finish (default 3600)"
+    )
     return parser
 
 
@@ -144,6 +193,18 @@ def main(argv: list[str] | None = None) -> int:
             from coordinator.inspect import cmd_verify
 
             return _asyncio_run(cmd_verify(args.admin, repair=args.repair, as_json=args.json))
+        case "delete-database":
+            from coordinator.delete_database import cmd_delete_database
+
+            return _asyncio_run(cmd_delete_database(args.admin, args.name, args.token))
+        case "repair-blobs":
+            from coordinator.repair_blobs import cmd_repair_blobs
+
+            return _asyncio_run(cmd_repair_blobs(args.admin, args.database, args.json, args.timeout))
+        case "clone":
+            from coordinator.clone import cmd_clone
+
+            return _asyncio_run(cmd_clone(args.leader, args.config, no_run=args.no_run))
     return EXIT_USAGE
 
 

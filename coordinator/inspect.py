@@ -126,6 +126,15 @@ def render_status(body: dict[str, Any], now: float = 0.0) -> str:
     )
     for database, origins in sorted((body.get("failed_over") or {}).items()):
         lines.append(f"failed over: {database} receives {', '.join(origins)} through other peers (direct link down)")
+    for peer, d in pairs:
+        copy = d.get("copy")
+        if copy:
+            eta = f", about {_age(copy['eta_s'])} left" if copy.get("eta_s") is not None else ""
+            lines.append(
+                f"copying: {d['database']} from {peer}: {copy['records']:,} of {copy['total']:,} records"
+                f" ({100 * copy['records'] / max(copy['total'], 1):.0f}%) at {copy['rate']:,.0f}/s"
+                f" ({copy.get('mb_s', 0):.1f} MB/s){eta}"
+            )
     for database, state in sorted((body.get("recovery") or {}).items()):
         if state.get("state") == "recovering":
             lines.append(f"recovering: {database} waits for its peers to serve this node's own writes back")

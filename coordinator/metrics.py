@@ -36,6 +36,9 @@ SAMPLED_EVENTS = (
     "connection_refused",
     "disk_full",
     "library_log",
+    "registry_row_refused",
+    "foreign_origin_refused",
+    "commit_retry",
 )
 # The caps a refused connection names (workers.listener); their counters start at 0 so a rate exists.
 CONNECTION_LIMITS = ("max_connections", "max_connections_per_client")
@@ -67,6 +70,18 @@ class Metrics:
                 ["database", "peer"],
                 registry=registry,
             ),
+            "replicator_records_received_total": Counter(
+                "replicator_records_received_total",
+                "Records received from peers in applied batches, won or not (a record received twice counts twice)",
+                ["database", "peer"],
+                registry=registry,
+            ),
+            "replicator_commit_retries_total": Counter(
+                "replicator_commit_retries_total",
+                "Batches from peers whose commit failed (a busy or full disk) and was tried again",
+                ["database"],
+                registry=registry,
+            ),
             "replicator_records_sent_total": Counter(
                 "replicator_records_sent_total",
                 "Records sent to subscribers",
@@ -91,10 +106,28 @@ class Metrics:
                 ["database"],
                 registry=registry,
             ),
+            "replicator_blobs_missing_total": Counter(
+                "replicator_blobs_missing_total",
+                "Records applied without their blob because the peer that sent them did not have it (repair-blobs)",
+                ["database"],
+                registry=registry,
+            ),
             "replicator_log_events_suppressed_total": Counter(
                 "replicator_log_events_suppressed_total",
                 "Repeated identical warnings not written to the log",
                 ["event"],
+                registry=registry,
+            ),
+            "replicator_registry_rows_refused_total": Counter(
+                "replicator_registry_rows_refused_total",
+                "Registry rows a peer sent that were not signed by the node allowed to write them (not applied)",
+                ["peer"],
+                registry=registry,
+            ),
+            "replicator_foreign_origin_refusals_total": Counter(
+                "replicator_foreign_origin_refusals_total",
+                "Records a peer held or sent under this node's origin at versions it never wrote",
+                ["peer", "database"],
                 registry=registry,
             ),
             "replicator_connections_refused_total": Counter(
@@ -169,6 +202,7 @@ class Metrics:
                     self._rounds[name].labels(entry.peer, database)
         for database in self._node.holds:
             self._fed["replicator_checksum_failures_total"].labels(database)
+            self._fed["replicator_blobs_missing_total"].labels(database)
         return generate_latest(self.registry)
 
 
@@ -220,14 +254,24 @@ class _StateCollector(Collector):
             "Buckets that differed from the peer in the pair's last completed anti-entropy round",
             labels=["peer", "database"],
         )
+        remaining = GaugeMetricFamily(
+            "replicator_copy_remaining_records",
+            "Records the pair's session still has to receive of what the sender held when it started (0 when caught"
+            " up): a copy's progress",
+            labels=["peer", "database"],
+        )
+        now = node.loop.time()
         for entry in node.map:
             for database, pair in sorted(entry.pairs.items()):
+                copying = pair.copy(now)
+                remaining.add_metric([entry.peer, database], copying["remaining"] if copying else 0.0)
                 connected.add_metric([entry.peer, database], 1.0 if pair.connected else 0.0)
                 lag.add_metric([database, entry.peer], pair.lag_seconds)
                 completed = node.antientropy.last_completed(entry.key, database)
                 if completed is not None:
                     divergent.add_metric([entry.peer, database], completed.divergent_buckets)
         yield connected
+        yield remaining
         yield lag
         yield divergent
         offset = GaugeMetricFamily(

@@ -26,6 +26,8 @@ import msgspec
 from coordinator import filecheck, registry, scaling
 from coordinator.admin import AdminServer
 from coordinator.antientropy import AntiEntropy
+from coordinator.blob_repairs import BlobRepairs
+from coordinator.drops import Drops
 from coordinator.metrics import Metrics
 from coordinator.registry import SYSTEM, NodeView
 from coordinator.replication_map import Entry, PairState, ReplicationMap, StallWatch, should_fire_stall_kick
@@ -34,13 +36,13 @@ from coordinator.sd_notify import Notifier
 from coordinator.setup_scheduler import SetupScheduler
 from coordinator.supervisor import PauseMonitor, Supervisor, WorkerHandle
 from shared import config as config_module
-from shared import messages
+from shared import membership, messages, revocation
 from shared.backoff import Backoff
-from shared.config import Config, ConfigError
+from shared.config import Config, ConfigError, PeerSection
 from shared.keys import connection_key, normalize_url
 from shared.logs import log
-from shared.store import Database, NodeRow, Store, read_nodes, write_node
-from shared.tls import TlsConfigError, server_context
+from shared.store import Database, NodeRow, Store, UnknownDatabase
+from shared.tls import PeerIdentity, TlsConfigError, server_context
 
 EXIT_OK = 0
 EXIT_BOOT_ERROR = 3
@@ -63,7 +65,12 @@ class Node:
         cli_workers: int | None = None,
         supervisor: Supervisor | None = None,
         check_integrity: bool = False,
+        routes: list[PeerSection] | None = None,
     ) -> None:
+        # Static routes for this run only (`replicator clone` dials its leader), on top of the file's [[peers]]:
+        # kept across reloads, and given up for a route of the same name the file gains.
+        self._run_routes = list(routes or [])
+        config.peers = _with_routes(config.peers, self._run_routes)
         self.config = config
         # `run --check-integrity`: the boot check of the database files runs integrity_check, not quick_check.
         self._check_integrity = check_integrity
@@ -91,7 +98,14 @@ class Node:
         self.ladder = self.scheduler.sweep()
         self.views: dict[str, NodeView] = {}
         self.holds: set[str] = set()
+        # Registry rows are signed (shared.membership): ours with our key, each checked against the cluster CA.
+        self.signer: membership.Signer | None = None
+        self.verifier = membership.Verifier(None)
+        self._revocations: list[revocation.Revocation] = []
+        self._revocations_seen = -1
         self.antientropy = AntiEntropy(self, loop=self.loop, rng=self.rng)
+        self.blob_repairs = BlobRepairs(self.supervisor, loop=self.loop)  # admin POST /repair/blobs, run by workers
+        self.drops = Drops(self, loop=self.loop)  # databases deleted cluster-wide, applied to this node's files
         self.router = Router(config.replication.failover_after, self._on_route_change, loop=self.loop)
         # Databases whose file may lack this node's own writes (new, empty, lost, adopted), until the peers
         # have served them back; and what each recovery brought.
@@ -186,6 +200,17 @@ class Node:
             )
         except TlsConfigError as exc:
             raise BootError(str(exc)) from None
+        try:
+            self.signer = membership.Signer.load(
+                self.name,
+                config_module.resolve_path(config, config.tls.cert),
+                config_module.resolve_path(config, config.tls.key),
+            )
+            self.verifier = membership.Verifier(
+                revocation.load_ca_certs(config_module.resolve_path(config, config.tls.ca))
+            )
+        except (OSError, ValueError, TypeError) as exc:
+            raise BootError(f"cannot load the certificate that signs this node's registry row: {exc}") from None
         _probe_port(config.listen.host, config.listen.port)
         # Before any process opens a database: a damaged file halts the boot here, naming it, or is moved aside.
         try:
@@ -210,6 +235,7 @@ class Node:
                 self._note_database(database)
         except Exception as exc:
             raise BootError(f"cannot open the store in {directory}: {exc}") from None
+        self._adopt_introductions(system)
         self._write_own_row(system)
         self._admin = AdminServer(self)
         try:
@@ -250,6 +276,7 @@ class Node:
         self._tasks.append(self.loop.create_task(self.notifier.watchdog_loop(), name="watchdog"))
         self._tasks.append(self.loop.create_task(self._prune_loop(), name="audit retention"))
         self.antientropy.start()
+        self.drops.start()
         self.pauses.start()
 
     def request_stop(self) -> None:
@@ -268,6 +295,7 @@ class Node:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.antientropy.close()
+        await self.drops.close()
         for entry in self.map:
             entry.disarm()
         self.router.close()
@@ -281,24 +309,53 @@ class Node:
     # -- own row and registry -----------------------------------------------------------------------------------
 
     def _write_own_row(self, system: Database) -> None:
-        rows = read_nodes(system)
-        current = rows.get(self.name)
+        """Sign and write this node's own row when it is missing, not signed with our current certificate, or
+        says something else than the config and the databases we hold."""
+        if self.signer is None:
+            return
+        current = self.verifier.own_row(system, self.name)
         wanted = NodeRow(
             name=self.name,
             url=self.config.node.url,
             databases=list(self.config.replication.databases),
             replicates=self.config.replication.mesh,
-            leader=current.leader if current else False,
-            revoked=list(current.revoked) if current else [],
+            leader=current[0].leader if current else False,
             holds=sorted(self.holds),
         )
-        if current is None or (current.url, sorted(current.holds), current.replicates, current.databases) != (
-            wanted.url,
-            wanted.holds,
-            wanted.replicates,
-            wanted.databases,
-        ):
-            write_node(system, wanted)
+        if current is not None and current[1] == self.signer.cert_der:
+            row = current[0]
+            if (row.url, sorted(row.holds), row.replicates, list(row.databases)) == (
+                wanted.url,
+                wanted.holds,
+                wanted.replicates,
+                wanted.databases,
+            ):
+                return
+        membership.write(system, self.signer, membership.NODES, wanted)
+
+    def _adopt_introductions(self, system: Database) -> None:
+        """Rows an operator wrote through this node before registry rows were signed (unsigned rows of other
+        nodes under our origin) become this node's signed introductions, so the nodes they name stay known."""
+        if self.signer is None:
+            return
+        introduced = {entry.id for entry in system.scan(membership.INTRODUCTIONS, None, 100_000, skip_damaged=True)}
+        for entry in system.scan(membership.NODES, None, 100_000, skip_damaged=True):
+            if entry.origin != self.name or entry.id == self.name or entry.id in introduced:
+                continue
+            row = membership.legacy_row(entry)
+            if row is not None:
+                membership.write(system, self.signer, membership.INTRODUCTIONS, row)
+                log.info("introduction_adopted", name=entry.id)
+
+    def revoked(self, identity: PeerIdentity) -> str | None:
+        """Why a certificate may not be used, if a revocation the cluster CA signed revokes it."""
+        system = self.system()
+        seen = system.data_version()
+        if seen != self._revocations_seen:
+            ca = self.verifier.ca
+            self._revocations = revocation.stored(system, ca) if ca is not None else []
+            self._revocations_seen = seen
+        return revocation.revoked_by(self._revocations, identity)
 
     def poke_registry(self) -> None:
         self._registry_poke.set()
@@ -316,6 +373,7 @@ class Node:
                         self._registry_poke.clear()
                         last_version = version
                         self.sync_registry(system)
+                        self.drops.poke()
                     if came_up_at is None:
                         came_up_at = self.loop.time()
                     elif self.loop.time() - came_up_at >= WATCHER_HEALTHY_UPTIME:
@@ -337,11 +395,8 @@ class Node:
                 await asyncio.sleep(delay)
 
     def sync_registry(self, system: Database) -> None:
-        rows = read_nodes(system)
-        versions = {entry.id: entry.version for entry in system.scan("nodes", None, 100_000, skip_damaged=True)}
-        own = rows.get(self.name)
-        if own is None or own.url != self.config.node.url or sorted(own.holds) != sorted(self.holds):
-            self._write_own_row(system)
+        self._write_own_row(system)
+        rows, versions = self.verifier.read(system, self.revoked)
         views = registry.merge(rows, versions, self.config)
         previous = self.views
         self.views = views
@@ -373,7 +428,8 @@ class Node:
             log.info("peer_url_migrated", peer=view.name, old_url=entry.url, url=view.url)
             self._drop_entry(entry, "url migrated")
             entry = None
-        wanted = registry.databases_for(self.config, view)
+        # Not a database being removed here: its pairs come back, if the peer still holds it, once that is over.
+        wanted = [d for d in registry.databases_for(self.config, view) if d not in self.drops.removing]
         for database in wanted:
             self.on_database(view, database, event)
         entry = self.map.by_peer(view.name)
@@ -506,7 +562,11 @@ class Node:
 
     def _note_database(self, database: str) -> None:
         assert self.store is not None
-        if self.store.database(database).recovering:
+        try:
+            recovering = self.store.database(database).recovering
+        except UnknownDatabase:
+            return  # removed, or being removed, since the report
+        if recovering:
             self.recovering.add(database)
             self.recoveries[database] = {"state": "recovering", "since": self.wall(), "records": 0}
 
@@ -542,7 +602,10 @@ class Node:
                 )
             ):
                 continue  # a peer holds it, or the registry that would say so is not whole yet
-            records = self.store.database(database).finish_recovery()
+            try:
+                records = self.store.database(database).finish_recovery()
+            except UnknownDatabase:
+                continue  # being removed from this node
             self.recovering.discard(database)
             if database == SYSTEM:
                 self.poke_registry()  # the views are rebuilt from the whole registry before anything else flips
@@ -554,6 +617,30 @@ class Node:
                     records=records,
                     peers=sorted(entry.peer for entry in self.map if database in entry.pairs),
                 )
+
+    # -- databases deleted cluster-wide (coordinator.drops) ------------------------------------------------------
+
+    def drop_database_pairs(self, database: str) -> None:
+        """Stop replicating `database` with every peer (it is being removed here): its pairs, setups and timers
+        go, as when a peer stops holding a database."""
+        for entry in list(self.map):
+            if database in entry.pairs:
+                self._drop_pair(entry, database)
+
+    def on_database_removed(self, database: str) -> None:
+        """The database's file is gone from this node: it is no longer held, advertised, recovered or scrubbed
+        here. A peer that still holds it is subscribed to again on the next registry pass (which creates nothing
+        here until the peer sends a record written after the deletion)."""
+        self.holds.discard(database)
+        self.recovering.discard(database)
+        self.recoveries.pop(database, None)
+        self.regressions.pop(database, None)
+        self.regressed_at.pop(database, None)
+        for key in [key for key in self.peer_holds if key[0] == database]:
+            del self.peer_holds[key]
+        self.antientropy.forget_database(database)
+        self._write_own_row(self.system())
+        self.poke_registry()
 
     def _drop_entry(self, entry: Entry, reason: str) -> None:
         log.info("peer_dropped", peer=entry.peer, url=entry.url, reason=reason)
@@ -625,6 +712,8 @@ class Node:
                     self.regressed_at[name] = now
                     # Every pair of the database subscribes again, on the ladder, asking for our own writes back.
                     self._refresh_payloads(name, "resubscribed")
+            case messages.DatabaseClosed():
+                self.drops.on_closed(slot, message)
             case messages.DatabaseOpened(name=name):
                 if name not in self.holds:
                     self.holds.add(name)
@@ -634,6 +723,8 @@ class Node:
                     self.antientropy.note_database(name)
             case messages.AntiEntropyDone():
                 self.antientropy.on_done(message)
+            case messages.BlobsRepaired():
+                self.blob_repairs.on_done(message)
             case messages.PeerHolds(peer=peer, database=database, complete=complete):
                 self.peer_holds[(database, peer)] = complete
 
@@ -702,6 +793,10 @@ class Node:
         pair.lag_seconds = message.lag_seconds
         pair.applied = message.applied
         pair.caught_up = message.caught_up
+        pair.backlog = message.backlog
+        pair.received = message.received
+        pair.session_applied = message.session_applied
+        pair.received_bytes = message.received_bytes
         entry = self.map.get(message.key)
         if entry is not None and pair.connected:
             self.router.report(message.database, entry.peer, up=True, caught_up=message.caught_up)
@@ -710,6 +805,7 @@ class Node:
 
     def on_worker_exit(self, handle: WorkerHandle) -> None:
         self.antientropy.on_worker_exit(handle.slot)
+        self.blob_repairs.on_worker_exit(handle.slot)
         for entry in self.map:
             if entry.worker == handle.slot:
                 # The sessions died with the process; a respawn in the same slot starts empty, so the entry is
@@ -909,7 +1005,10 @@ class Node:
             reports = [self.peer_holds.get((name, holder)) for holder in holders]
             if any(report is None for report in reports):
                 continue
-            own = self.store.database(name).origins()
+            try:
+                own = self.store.database(name).origins()
+            except UnknownDatabase:
+                continue  # removed, or being removed, since the listing
             found = {
                 origin: min([held.complete, *(report.get(origin, 0) for report in reports if report is not None)])
                 for origin, held in own.items()
@@ -932,7 +1031,10 @@ class Node:
         assert self.store is not None
         deleted = 0
         for name in self.store.names():
-            database = self.store.database(name)
+            try:
+                database = self.store.database(name)
+            except UnknownDatabase:
+                continue  # removed, or being removed, since the listing
             deleted += database.prune_audit(self.config.replication.audit_retention, self.wall())
         if deleted:
             log.info("audit_pruned", entries=deleted)
@@ -957,6 +1059,7 @@ class Node:
         else:
             self._cli_workers = None
         self._file_workers = file_workers
+        new.peers = _with_routes(new.peers, self._run_routes)
         self.config = new
         self.scheduler.stagger = new.replication.stagger
         self.router.failover_after = new.replication.failover_after
@@ -971,6 +1074,11 @@ class Node:
     async def scale(self, count: int) -> None:
         """Change the number of workers, moving pairs on the stagger ladder without dropping healthy sessions."""
         await scaling.scale(self, count)
+
+
+def _with_routes(peers: list[PeerSection], routes: list[PeerSection]) -> list[PeerSection]:
+    named = {peer.name for peer in peers}
+    return [*peers, *(route for route in routes if route.name not in named)]
 
 
 def _setup_fields(payload: messages.Subscribe) -> tuple[Any, ...]:

@@ -44,6 +44,11 @@ class PairState:
     lag_seconds: float = 0.0
     applied: int = 0
     caught_up: bool = False  # the peer's last batch said it had nothing more to serve
+    # The session's copy: what the sender had to serve when it started, what arrived since, and when it started.
+    backlog: int = 0
+    received: int = 0
+    session_applied: int = 0
+    received_bytes: int = 0
     reconnect_attempts: int = 0
     last_error: str = ""
     stall: StallWatch | None = None
@@ -53,6 +58,23 @@ class PairState:
     @property
     def behind(self) -> bool:
         return self.peer_head_seq > self.last_received_seq
+
+    def copy(self, now: float) -> dict[str, Any] | None:
+        """The session's copy progress while it is catching up: records received of the backlog the sender had when
+        the session started, the rate since, and the time left at that rate; None once caught up."""
+        if not self.connected or self.caught_up or self.backlog <= 0 or self.connected_at is None:
+            return None
+        records = min(self.received, self.backlog)
+        elapsed = max(now - self.connected_at, 1e-3)
+        rate = self.received / elapsed
+        return {
+            "records": records,
+            "total": self.backlog,
+            "remaining": self.backlog - records,
+            "rate": round(rate, 1),
+            "mb_s": round(self.received_bytes / elapsed / 1e6, 2),
+            "eta_s": round((self.backlog - records) / rate, 1) if rate > 0 else None,
+        }
 
 
 @dataclass

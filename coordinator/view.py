@@ -15,11 +15,16 @@ if TYPE_CHECKING:
     import asyncio
 
     from coordinator.antientropy import AntiEntropy
+    from coordinator.blob_repairs import BlobRepairs
+    from coordinator.drops import Drops
+    from coordinator.registry import NodeView
     from coordinator.replication_map import ReplicationMap
     from coordinator.setup_scheduler import SetupScheduler, Sweep
     from coordinator.supervisor import Supervisor
+    from shared import membership
     from shared.config import Config
     from shared.store import Database, Store
+    from shared.tls import PeerIdentity
 
 
 class MetricsView(Protocol):
@@ -48,6 +53,9 @@ class MetricsView(Protocol):
 
     @property
     def antientropy(self) -> AntiEntropy: ...
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
 
 
 class RendersMetrics(Protocol):
@@ -79,6 +87,20 @@ class AdminView(MetricsView, Protocol):
 
     @property
     def metrics(self) -> RendersMetrics: ...
+
+    @property
+    def drops(self) -> Drops: ...
+
+    @property
+    def blob_repairs(self) -> BlobRepairs: ...
+
+    @property
+    def signer(self) -> membership.Signer | None: ...
+
+    @property
+    def verifier(self) -> membership.Verifier: ...
+
+    def revoked(self, identity: PeerIdentity) -> str | None: ...
 
     def system(self) -> Database: ...
 
@@ -137,3 +159,36 @@ class AntiEntropyView(Protocol):
 
     @property
     def metrics(self) -> CountsAntiEntropy: ...
+
+
+class DropsView(Protocol):
+    """What applying deletion markers reads, and what it asks of the node when a database leaves it."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def config(self) -> Config: ...
+
+    @property
+    def store(self) -> Store | None: ...
+
+    @property
+    def supervisor(self) -> Supervisor: ...
+
+    @property
+    def holds(self) -> Set[str]: ...
+
+    @property
+    def views(self) -> Mapping[str, NodeView]: ...
+
+    @property
+    def wall(self) -> Callable[[], float]: ...
+
+    def system(self) -> Database: ...
+
+    def poke_registry(self) -> None: ...
+
+    def drop_database_pairs(self, database: str) -> None: ...
+
+    def on_database_removed(self, database: str) -> None: ...

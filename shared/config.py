@@ -58,6 +58,11 @@ class DataSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     token: str = ""
     # The data API creates no database once the node holds this many (the system database not counted).
     max_databases: int = 1000
+    # A value whose msgpack is at least this long is stored as a blob: a file beside the database, referenced from
+    # the record and replicated outside the record stream (shared.blobs).
+    blob_threshold: int = 256 * 1024
+    # The largest value (and request body) the data API takes; larger is a 413.
+    max_value_bytes: int = 64 * 1024 * 1024
 
 
 class ReplicationSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -97,6 +102,9 @@ class ReplicationSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     # A database file found damaged at boot is moved aside to <data_dir>/damaged/ and recovered from peers, instead
     # of halting the node (exit 3).
     recover_damaged: bool = False
+    # Bytes per second this node serves each blob download at, 0 for no limit: a cap on what blob catch-up takes of
+    # a link.
+    blob_rate: float = 0.0
 
 
 class PeerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -268,6 +276,7 @@ def _check(config: Config, source: str) -> None:
         "replication.antientropy_interval": (0.0, 30 * day, False, "seconds"),
         "replication.antientropy_rate": (0.0, 1e9, False, "records per second"),
         "replication.scrub_rate": (0.0, 1e9, False, "rows per second"),
+        "replication.blob_rate": (0.0, 1e9, True, "bytes per second"),
         "log.sample_window": (0.0, day, False, "seconds"),
     }
     for key, (lowest, highest, closed, unit) in floats.items():
@@ -281,6 +290,8 @@ def _check(config: Config, source: str) -> None:
         "replication.max_frame_bytes": (64 * 1024, 2**30),
         "replication.window": (1, 1024),
         "log.sample_burst": (1, 1_000_000),
+        "data.blob_threshold": (1024, 2**30),
+        "data.max_value_bytes": (1024, 2**30),
     }
     for key, (least, most) in ints.items():
         section, name = key.split(".")

@@ -74,7 +74,40 @@ class Shutdown(msgspec.Struct, tag="shutdown", kw_only=True):
     deadline: float  # seconds the worker has to drain
 
 
-ToWorker = Subscribe | Unsubscribe | ForceReconnect | AntiEntropy | Reconfigure | Shutdown
+class DropDatabase(msgspec.Struct, tag="drop_database", kw_only=True):
+    """The database is being removed from this node (deleted cluster-wide): end every session of it, inbound and
+    outbound, close the store's handle, open it no more until ReleaseDatabase, and answer DatabaseClosed."""
+
+    database: str
+    request: int  # the coordinator's removal number, echoed in DatabaseClosed
+
+
+class ReleaseDatabase(msgspec.Struct, tag="release_database", kw_only=True):
+    """The removal is over (the file is gone, or was kept because it holds records again): open it as usual."""
+
+    database: str
+    request: int
+
+
+class RepairBlobs(msgspec.Struct, tag="repair_blobs", kw_only=True):
+    """Fetch again, from the peers that hold the database, every blob of it that is missing or damaged on this node
+    (workers.blob_repair); answer BlobsRepaired."""
+
+    database: str
+    request: int  # the coordinator's request number, echoed in BlobsRepaired
+
+
+ToWorker = (
+    Subscribe
+    | Unsubscribe
+    | ForceReconnect
+    | AntiEntropy
+    | Reconfigure
+    | Shutdown
+    | DropDatabase
+    | ReleaseDatabase
+    | RepairBlobs
+)
 
 
 # -- worker -> coordinator -------------------------------------------------------------------------------------
@@ -136,6 +169,10 @@ class Progress(msgspec.Struct, tag="progress", kw_only=True):
     lag_seconds: float
     applied: int  # records applied over the session's life
     caught_up: bool = False  # the peer said it had nothing more to serve, as of its last batch
+    backlog: int = 0  # what the sender had to serve when the session started (Schema.backlog)
+    received: int = 0  # records received over the session's life (applied or not: duplicates, older versions)
+    session_applied: int = 0  # records applied over the session's life (`applied` counts the pair's life)
+    received_bytes: int = 0  # bytes of ids and values received over the session's life
 
 
 class PeerClock(msgspec.Struct, tag="peer_clock", kw_only=True):
@@ -145,6 +182,15 @@ class PeerClock(msgspec.Struct, tag="peer_clock", kw_only=True):
 
 class DatabaseOpened(msgspec.Struct, tag="database_opened", kw_only=True):
     name: str
+
+
+class DatabaseClosed(msgspec.Struct, tag="database_closed", kw_only=True):
+    """Answer to DropDatabase: this worker process holds nothing of the database open, and opens nothing of it."""
+
+    database: str
+    worker: int
+    pid: int  # the worker process, so an answer from a replaced one does not count for its successor
+    request: int
 
 
 class DatabaseRegressed(msgspec.Struct, tag="database_regressed", kw_only=True):
@@ -175,6 +221,23 @@ class AntiEntropyDone(msgspec.Struct, tag="antientropy_done", kw_only=True):
     error: str = ""  # the round did not finish: why
 
 
+class BlobFailure(msgspec.Struct, kw_only=True):
+    table: str
+    id: str
+    hash: str
+    reason: str  # what each peer answered
+
+
+class BlobsRepaired(msgspec.Struct, tag="blobs_repaired", kw_only=True):
+    database: str
+    request: int
+    scanned: int = 0  # live records holding a blob reference
+    missing: int = 0  # of those, the ones whose blob file was absent or damaged
+    repaired: int = 0
+    failed: list[BlobFailure] = []  # at most 1,000 listed; missing - repaired failed in all
+    error: str = ""  # the repair did not finish: why
+
+
 ToCoordinator = (
     Ready
     | BootFailed
@@ -185,9 +248,11 @@ ToCoordinator = (
     | Progress
     | PeerClock
     | DatabaseOpened
+    | DatabaseClosed
     | DatabaseRegressed
     | AntiEntropyDone
     | PeerHolds
+    | BlobsRepaired
 )
 
 _encoder = msgspec.msgpack.Encoder()

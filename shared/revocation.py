@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,7 @@ _decoder = msgspec.json.Decoder(Revocation)
 _msgpack_decoder = msgspec.msgpack.Decoder(Revocation)
 
 
-def _sign(key: Any, data: bytes) -> bytes:
+def sign_data(key: Any, data: bytes) -> bytes:
     if isinstance(key, ec.EllipticCurvePrivateKey):
         return key.sign(data, ec.ECDSA(hashes.SHA256()))
     if isinstance(key, rsa.RSAPrivateKey):
@@ -79,7 +80,7 @@ def _sign(key: Any, data: bytes) -> bytes:
     raise BadRevocation(f"a CA key of type {type(key).__name__} cannot sign revocations")
 
 
-def _verify(public: Any, signature: bytes, data: bytes) -> None:
+def verify_data(public: Any, signature: bytes, data: bytes) -> None:
     if isinstance(public, ec.EllipticCurvePublicKey):
         public.verify(signature, data, ec.ECDSA(hashes.SHA256()))
     elif isinstance(public, rsa.RSAPublicKey):
@@ -100,22 +101,34 @@ def sign(ca_dir: str | Path, name: str, serial: str = "", now: float | None = No
     cert_path, key_path = ca_paths(ca_dir)
     _, key = _load_ca(cert_path, key_path)
     unsigned = Revocation(name=name, serial=serial, issued_before=now if now is not None else time.time(), signature="")
-    return msgspec.structs.replace(unsigned, signature=base64.b64encode(_sign(key, unsigned.payload())).decode())
+    return msgspec.structs.replace(unsigned, signature=base64.b64encode(sign_data(key, unsigned.payload())).decode())
 
 
-def verify(revocation: Revocation, ca: x509.Certificate) -> Revocation:
-    """The revocation itself if the cluster CA signed it; BadRevocation otherwise."""
+CA = x509.Certificate | Sequence[x509.Certificate]  # the cluster CA: one, or every one of a bundle (a rotation)
+
+
+def authorities(ca: CA) -> list[x509.Certificate]:
+    return [ca] if isinstance(ca, x509.Certificate) else list(ca)
+
+
+def verify(revocation: Revocation, ca: CA) -> Revocation:
+    """The revocation itself if the cluster CA (any CA of the bundle) signed it; BadRevocation otherwise."""
     if not NAME_RE.match(revocation.name):
         raise BadRevocation(f"bad node name {revocation.name[:70]!r}")
     try:
         signature = base64.b64decode(revocation.signature, validate=True)
-        _verify(ca.public_key(), signature, revocation.payload())
-    except (InvalidSignature, ValueError):
-        raise BadRevocation(f"revocation of {revocation.name}: not signed by the cluster CA") from None
-    return revocation
+    except ValueError:
+        raise BadRevocation(f"revocation of {revocation.name}: the signature is not base64") from None
+    for authority in authorities(ca):
+        try:
+            verify_data(authority.public_key(), signature, revocation.payload())
+        except (InvalidSignature, ValueError):
+            continue
+        return revocation
+    raise BadRevocation(f"revocation of {revocation.name}: not signed by the cluster CA")
 
 
-def parse(data: bytes, ca: x509.Certificate) -> Revocation:
+def parse(data: bytes, ca: CA) -> Revocation:
     """A revocation from its JSON document (what `certs revoke` prints), verified."""
     try:
         revocation = _decoder.decode(data)
@@ -129,7 +142,7 @@ def encode(revocation: Revocation) -> bytes:
     return msgspec.msgpack.encode(revocation)
 
 
-def from_record(record_id: str, value: bytes, ca: x509.Certificate) -> Revocation:
+def from_record(record_id: str, value: bytes, ca: CA) -> Revocation:
     """A stored revocation, verified, and checked against the id it is stored under."""
     try:
         revocation = _msgpack_decoder.decode(value)
@@ -141,7 +154,7 @@ def from_record(record_id: str, value: bytes, ca: x509.Certificate) -> Revocatio
     return revocation
 
 
-def refusal(entries: list[Any], ca: x509.Certificate | None) -> str | None:
+def refusal(entries: list[Any], ca: CA | None) -> str | None:
     """Why a peer's entries for the system database must be refused, if they touch a revocation: none may be
     removed, and each must be one the cluster CA signed, under its own id."""
     for entry in entries:
@@ -160,3 +173,34 @@ def refusal(entries: list[Any], ca: x509.Certificate | None) -> str | None:
 
 def load_ca_cert(path: str | Path) -> x509.Certificate:
     return x509.load_pem_x509_certificate(Path(path).read_bytes())
+
+
+def load_ca_certs(path: str | Path) -> list[x509.Certificate]:
+    """Every certificate of the CA bundle at `path` (during a CA rotation, the old and the new)."""
+    return x509.load_pem_x509_certificates(Path(path).read_bytes())
+
+
+def stored(db: Any, ca: CA, on_bad: Any = None) -> list[Revocation]:
+    """Every revocation the system database `db` holds that the cluster CA signed; `on_bad(reason)` hears of the
+    others (which were refused when a peer sent them, so only a hand-edited file holds any)."""
+    found: list[Revocation] = []
+    after: str | None = None
+    while True:
+        page = db.scan(TABLE, after, 1000, skip_damaged=True)
+        for entry in page:
+            try:
+                found.append(from_record(entry.id, entry.value, ca))
+            except BadRevocation as exc:
+                if on_bad is not None:
+                    on_bad(str(exc))
+        if len(page) < 1000:
+            return found
+        after = page[-1].id
+
+
+def revoked_by(revocations: list[Revocation], identity: PeerIdentity) -> str | None:
+    """Why `identity`'s certificate may not be used, if one of `revocations` revokes it."""
+    for found in revocations:
+        if found.revokes(identity):
+            return f"certificate of {identity.name} (serial {identity.serial}) is revoked: {found.describe()}"
+    return None

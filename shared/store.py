@@ -40,16 +40,17 @@ from __future__ import annotations
 import hashlib
 import os
 import secrets
+import shutil
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import msgspec
 
-from shared import digests, hlc
+from shared import blobs, digests, hlc
 from shared.config import NAME_RE
 from shared.digests import DAMAGED
 from shared.logs import log
@@ -60,6 +61,8 @@ _place = digests.place
 SUFFIX = ".sqlite"
 SYSTEM = "system"
 NODES = "nodes"
+# The system table of deletion markers (`shared.dropped`): id a database name, version the database's deletion floor.
+DROPPED = "dropped"
 
 BUSY_TIMEOUT = 10.0
 # IN-list lengths of the batched lookup: a chunk is padded up to the next size, so the statement cache
@@ -176,6 +179,15 @@ class UnknownDatabase(LookupError):
 
     def __init__(self, name: str) -> None:
         super().__init__(f"unknown database {name!r}")
+        self.name = name
+
+
+class DatabaseRemoving(UnknownDatabase):
+    """The database is being removed from this node (deleted cluster-wide, see `Store.block`): it cannot be opened
+    or created until the removal is over."""
+
+    def __init__(self, name: str) -> None:
+        LookupError.__init__(self, f"database {name!r} is being removed on this node; try again")
         self.name = name
 
 
@@ -378,22 +390,39 @@ def _rebuild_digests(conn: sqlite3.Connection) -> None:
     )
 
 
+def _raise_dropped_floor(conn: sqlite3.Connection, floor: int) -> None:
+    """Inside a write transaction: no record at or below `floor` is applied from now on, and the clock moves to it,
+    so every later local write is above it."""
+    held = int(_meta(conn, "dropped_floor") or 0)
+    if floor > held:
+        conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('dropped_floor', ?)", (floor,))
+    conn.execute("UPDATE meta SET value = max(value, ?) WHERE key = 'hlc'", (floor,))
+
+
 def _clock_floor(clock: hlc.WallClock, lead: float) -> int:
     """The clock value a recovering file starts from: the next write gets the wall clock plus `lead`."""
     return clock() // 1000 + int(lead * 1_000_000) - 1 if lead > 0 else 0
 
 
-def _build_file(path: Path, node: str, clock_floor_us: int) -> None:
+def _build_file(path: Path, node: str, clock_floor_us: int, dropped_floor: int = 0) -> None:
     """Make a new database file aside, in WAL mode with its schema and epoch, then link it into place.
 
     Processes that create the same database at once each build their own file and only the first link
-    wins, so no process ever opens a half-made file or races another to switch it to WAL mode.
+    wins, so no process ever opens a half-made file or races another to switch it to WAL mode. A database that
+    was deleted cluster-wide is born with its deletion floor (`Database.drop_through`): no process ever sees it
+    without, so nothing the deletion covers can land in it.
     """
     spare = path.with_name(f".{path.name}.{secrets.token_hex(8)}.new")
     conn = sqlite3.connect(spare, isolation_level=None)
     try:
         conn.execute("PRAGMA journal_mode = WAL").fetchone()
         _initialize(conn, node, clock_floor_us)
+        if dropped_floor > 0:
+            conn.execute("BEGIN IMMEDIATE")
+            _raise_dropped_floor(conn, dropped_floor)
+            # Nothing to purge in a new file.
+            conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('dropped_purged', ?)", (dropped_floor,))
+            conn.execute("COMMIT")
     finally:
         # Closing the only connection checkpoints the WAL into the file and removes it.
         conn.close()
@@ -423,7 +452,9 @@ class Database:
         create: bool = False,
         synchronous: str = "NORMAL",
         clock_lead: float = 0.0,
+        dropped_floor: int = 0,
     ) -> None:
+        """`dropped_floor`: the deletion floor a file created here is born with (see `drop_through`)."""
         self.name = name
         self.path = path
         self._node = node
@@ -435,7 +466,7 @@ class Database:
         self.checksum_failures = 0
         self._seen_data_version = 0
         if create and not path.exists():
-            _build_file(path, node, _clock_floor(clock, clock_lead))
+            _build_file(path, node, _clock_floor(clock, clock_lead), dropped_floor)
         try:
             self._conn = sqlite3.connect(
                 f"{path.resolve().as_uri()}?mode=rw",
@@ -462,6 +493,11 @@ class Database:
         except BaseException:
             self._conn.close()
             raise
+
+    @property
+    def node(self) -> str:
+        """The node this file belongs to: the origin of its local writes."""
+        return self._node
 
     def close(self) -> None:
         with self._lock:
@@ -539,6 +575,72 @@ class Database:
             last = first + len(items) - 1
             self._set_clock(conn, last)
         return list(range(first, last + 1))
+
+    def put_versioned(self, table: str, id: str, make_value: Callable[[int], bytes]) -> int:
+        """Upsert one record written on this node whose value depends on the version it is written at (a registry
+        row signs its own version, so a copy replayed at another version is refused); returns the version."""
+        check_name(table, "table")
+        if not isinstance(id, str) or not id:
+            raise BadRecord(f"record in {table!r}: the id must be a non-empty string, not {id!r}")
+        with self._write() as conn:
+            version = hlc.tick(self._clock_value(conn), self._clock)
+            self._append(conn, [_row(table, id, make_value(version), version, self._node, 0)])
+            self._set_clock(conn, version)
+        return version
+
+    def never_wrote(self, table: str, claims: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        """The (id, version) pairs among `claims` that this node provably never wrote: versions its audit log
+        still covers (every own write from the oldest one it keeps on is there, in version order) with no entry.
+        Scans the log, which has no index for it: only for the rare record that looks forged."""
+        check_name(table, "table")
+        if not claims:
+            return []
+        with self._read() as conn:
+            oldest = conn.execute("SELECT min(version) FROM audit WHERE origin = ?", (self._node,)).fetchone()[0]
+            if oldest is None:
+                return []
+            ids = sorted({record_id for record_id, _ in claims})
+            wrote: set[tuple[str, int]] = set()
+            for start in range(0, len(ids), 500):
+                chunk = ids[start : start + 500]
+                marks = ",".join("?" * len(chunk))
+                rows = conn.execute(
+                    f"SELECT id, version FROM audit WHERE origin = ? AND tbl = ? AND id IN ({marks})",
+                    (self._node, table, *chunk),
+                ).fetchall()
+                wrote.update((record_id, version) for record_id, version in rows)
+        return [claim for claim in claims if claim[1] >= oldest and claim not in wrote]
+
+    def reassert(self, table: str, claims: list[tuple[str, int]]) -> int:
+        """Write again, as this node's own and above the claimed versions, what this file holds of records a peer
+        holds under this node's origin at versions this node never wrote: the live value, or a tombstone where the
+        file holds none. The rewrite supersedes the forged copies wherever they went. A record this file holds
+        damaged is left alone (a healthy copy may be ours). Returns how many were written."""
+        check_name(table, "table")
+        if not claims:
+            return 0
+        with self._write() as conn:
+            rows: list[tuple] = []
+            for record_id, _ in claims:
+                held = conn.execute(f"SELECT {_CHECKED} FROM records WHERE tbl = ? AND id = ?", (table, record_id))
+                row = held.fetchone()
+                if row is not None and not _intact(row):
+                    continue
+                live = row is not None and not row[5]
+                rows.append((record_id, row[2] if live else b"", 0 if live else 1))
+            if not rows:
+                return 0
+            top = max(version for _, version in claims)
+            first = hlc.tick(max(self._clock_value(conn), top), self._clock, len(rows))
+            self._append(
+                conn,
+                [
+                    _row(table, record_id, value, first + index, self._node, tombstone)
+                    for index, (record_id, value, tombstone) in enumerate(rows)
+                ],
+            )
+            self._set_clock(conn, first + len(rows) - 1)
+        return len(rows)
 
     def delete(self, table: str, id: str) -> int | None:
         """Tombstone a record; returns the tombstone's version, or None when there is no live record."""
@@ -718,6 +820,17 @@ class Database:
             entries.append(_entry(row))
         return entries, None
 
+    def count_origin(self, origin: str, after: int, upto: int | None = None, cap: int = 5_000_000) -> int:
+        """How many records (tombstones included) `origin` wrote above `after` (and at most `upto`), counting at
+        most `cap` of them: an index range count, for a copy's progress figures."""
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT count(*) FROM (SELECT 1 FROM records WHERE origin = ? AND version > ? AND version <= ?"
+                " LIMIT ?)",
+                (origin, after, hlc.MAX_VERSION if upto is None else upto, cap),
+            ).fetchone()
+        return int(row[0])
+
     @property
     def own_floor(self) -> int:
         """The clock value this file began its own history at: every write of this node in the file is above
@@ -794,6 +907,13 @@ class Database:
     def _apply(self, conn: sqlite3.Connection, entries: list[Entry]) -> int:
         if not entries:
             return 0
+        floor = int(_meta(conn, "dropped_floor") or 0)
+        if floor:
+            # What a deletion of the database covers is gone on every node and never comes back: a peer that has
+            # not applied the deletion yet still serves it, and it does not win here.
+            entries = [entry for entry in entries if entry.version > floor]
+            if not entries:
+                return 0
         held = self._lookup(conn, entries)
         rows: list[tuple] = []
         # In batch order, each entry against the state the earlier ones left, so a batch carrying several
@@ -861,6 +981,87 @@ class Database:
                 deleted += conn.execute("DELETE FROM audit WHERE seq <= ?", (high,)).rowcount
             low = high + 1
         return deleted
+
+    # -- deletion of the whole database (DELETE /databases/{name}) -------------------------------------------
+
+    @property
+    def dropped_floor(self) -> int:
+        """The version the database was last deleted at cluster-wide (0: never): nothing at or below it is applied."""
+        with self._lock:
+            return int(_meta(self._conn, "dropped_floor") or 0)
+
+    @property
+    def dropped_purged(self) -> int:
+        """The deletion floor this file has been purged through: it holds no record at or below it."""
+        with self._lock:
+            return int(_meta(self._conn, "dropped_purged") or 0)
+
+    @property
+    def clock_version(self) -> int:
+        """The file's hybrid logical clock: no version it holds or wrote is above it."""
+        with self._lock:
+            return self._clock_value(self._conn)
+
+    def put_above(self, table: str, id: str, value: bytes, minimum: int) -> int:
+        """Upsert one record written on this node at a version above `minimum` as well as above the clock (a
+        deletion marker, whose version must cover what other files of the node hold); returns the version."""
+        check_name(table, "table")
+        if not isinstance(id, str) or not id:
+            raise BadRecord(f"record in {table!r}: the id must be a non-empty string, not {id!r}")
+        with self._write() as conn:
+            version = max(hlc.tick(self._clock_value(conn), self._clock), minimum + 1)
+            if version > hlc.MAX_VERSION:
+                raise BadRecord(f"record {table!r}/{id!r}: version {version} is out of range")
+            self._append(conn, [_row(table, id, value, version, self._node, 0)])
+            self._set_clock(conn, version)
+        return version
+
+    def drop_through(self, floor: int, chunk: int = _PRUNE_CHUNK) -> int:
+        """The database was deleted cluster-wide at version `floor`: every record and audit entry at or below it
+        goes, for good. Returns how many records (tombstones included) went.
+
+        One transaction stores the floor first: from then on `apply_batch` ignores what it covers, and the clock
+        stands at it, so every later local write is above it. The records and the audit log are then walked in
+        chunks, each its own transaction as in pruning, so a large database does not hold the write lock past the
+        other processes' busy timeout; since nothing at or below the floor can be written any more, one walk finds
+        all of it. The file notes the floor as purged only at the end of the walk: a walk cut short (a crash) is
+        made again. The bucket digests follow each deletion (trigger), so they equal those of a file that only
+        ever held the survivors.
+        """
+        if not 0 < floor <= hlc.MAX_VERSION:
+            raise BadRecord(f"deletion floor {floor} is out of range")
+        with self._write() as conn:
+            _raise_dropped_floor(conn, floor)
+            floor = int(_meta(conn, "dropped_floor") or floor)
+        removed = 0
+        after = 0
+        while True:
+            with self._write() as conn:
+                rows = conn.execute(
+                    "SELECT rowid, version FROM records WHERE rowid > ? ORDER BY rowid LIMIT ?", (after, chunk)
+                ).fetchall()
+                dead = [(rowid,) for rowid, version in rows if version <= floor]
+                conn.executemany("DELETE FROM records WHERE rowid = ?", dead)
+            removed += len(dead)
+            if len(rows) < chunk:
+                break
+            after = rows[-1][0]
+        with self._read() as conn:
+            low, high = conn.execute("SELECT min(seq), max(seq) FROM audit").fetchone()
+        while low is not None and low <= high:
+            top = low + chunk - 1
+            with self._write() as conn:
+                conn.execute("DELETE FROM audit WHERE seq >= ? AND seq <= ? AND version <= ?", (low, top, floor))
+            low = top + 1
+        with self._write() as conn:
+            purged = max(int(_meta(conn, "dropped_purged") or 0), floor)
+            conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('dropped_purged', ?)", (purged,))
+        return removed
+
+    def is_empty(self) -> bool:
+        """True when the file holds no record at all, tombstones included."""
+        with self._lock:
+            return self._conn.execute("SELECT 1 FROM records LIMIT 1").fetchone() is None
 
     # -- tombstones ------------------------------------------------------------------------------------------
 
@@ -1079,15 +1280,22 @@ class Store:
         self._synchronous = synchronous
         self._clock_lead = clock_lead
         self._databases: dict[str, Database] = {}
+        self._blocked: set[str] = set()  # databases being removed: not opened until unblocked
         self._lock = threading.Lock()
 
     def path(self, name: str) -> Path:
         return self.data_dir / f"{check_name(name, 'database')}{SUFFIX}"
 
     def database(self, name: str, create: bool = False) -> Database:
-        """The database `name`, opened once per Store; UnknownDatabase if it has no file, unless `create`."""
+        """The database `name`, opened once per Store; UnknownDatabase if it has no file, unless `create`;
+        DatabaseRemoving while it is blocked. A database created here after a deletion is born with its floor."""
         path = self.path(name)
+        floor = 0
+        if create and name != SYSTEM and name not in self._databases and not path.exists():
+            floor = self.dropped_floor(name)  # outside the lock: it opens the system database
         with self._lock:
+            if name in self._blocked:
+                raise DatabaseRemoving(name)
             db = self._databases.get(name)
             if db is not None:
                 return db
@@ -1103,6 +1311,7 @@ class Store:
                 create=create,
                 synchronous=self._synchronous,
                 clock_lead=self._clock_lead,
+                dropped_floor=floor,
             )
             self._databases[name] = db
             return db
@@ -1133,6 +1342,64 @@ class Store:
         for db in databases:
             db.close()
 
+    # -- deleted databases ---------------------------------------------------------------------------------------
+
+    def dropped_floor(self, name: str) -> int:
+        """The version `name` was last deleted at cluster-wide (its marker in the system table `dropped`), 0 if
+        never. A damaged marker reads as none until anti-entropy repairs it."""
+        if name == SYSTEM:
+            return 0
+        try:
+            entry = self.database(SYSTEM).get(DROPPED, name)
+        except (UnknownDatabase, DamagedRecord):
+            return 0
+        return entry.version if entry is not None else 0
+
+    def block(self, name: str) -> None:
+        """Refuse to open or create `name` in this process (DatabaseRemoving) until `unblock`: its file is being
+        removed. A handle already open stays usable until `forget`."""
+        if check_name(name, "database") == SYSTEM:
+            raise ValueError("the system database cannot be removed")
+        with self._lock:
+            self._blocked.add(name)
+
+    def unblock(self, name: str) -> None:
+        with self._lock:
+            self._blocked.discard(name)
+
+    def forget(self, name: str) -> None:
+        """Close this process's handle of `name`, if it has one; the next `database(name)` opens the file again."""
+        with self._lock:
+            db = self._databases.pop(name, None)
+        if db is not None:
+            db.close()
+
+    def remove(self, name: str) -> bool:
+        """Delete the file of a blocked database, with its -wal and -shm, if it holds no record at all; True when
+        it is gone. The caller makes sure no other process has it open (every one blocked it and closed it):
+        a process still holding the file would keep writing to the unlinked copy, or leave a stale WAL beside a new
+        file of the same name."""
+        path = self.path(name)
+        with self._lock:
+            if name not in self._blocked:
+                raise RuntimeError(f"database {name!r} must be blocked before it is removed")
+        self.forget(name)
+        if not path.exists():
+            return True
+        # The check closes the file's last connection, which checkpoints the WAL into it and deletes it.
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=rw", uri=True, timeout=BUSY_TIMEOUT)
+        try:
+            empty = conn.execute("SELECT 1 FROM records LIMIT 1").fetchone() is None
+        finally:
+            conn.close()
+        if not empty:
+            return False
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{path}{suffix}").unlink(missing_ok=True)
+        # Its blob files went with its records (content-addressed, so nothing else refers to them).
+        shutil.rmtree(path.with_name(f"{name}{blobs.SUFFIX}"), ignore_errors=True)
+        return True
+
     def __enter__(self) -> Store:
         return self
 
@@ -1140,7 +1407,7 @@ class Store:
         self.close()
 
 
-# -- the node registry: `system.nodes` ---------------------------------------------------------------------
+# -- the node registry: `system.nodes` (signed rows: `shared.membership`) ------------------------------------
 
 
 class NodeRow(msgspec.Struct, kw_only=True):
@@ -1151,37 +1418,4 @@ class NodeRow(msgspec.Struct, kw_only=True):
     databases: list[str] = msgspec.field(default_factory=lambda: ["*"])
     replicates: bool = False
     leader: bool = False
-    revoked: list[str] = []  # revoked certificate serials
     holds: list[str] = []  # the database names the node holds
-
-
-_node_decoder = msgspec.msgpack.Decoder(NodeRow)
-_REGISTRY_PAGE = 1000
-
-
-def read_nodes(db: Database) -> dict[str, NodeRow]:
-    """The live rows of the registry by node name; a row that does not decode is skipped."""
-    nodes: dict[str, NodeRow] = {}
-    after: str | None = None
-    while True:
-        page = db.scan(NODES, after, _REGISTRY_PAGE, skip_damaged=True)
-        for entry in page:
-            if not NAME_RE.match(entry.id):
-                continue
-            try:
-                row = _node_decoder.decode(entry.value)
-            except msgspec.DecodeError:
-                continue
-            # Last-writer-wins keys on the record id, so the id names the node whatever the value says.
-            nodes[entry.id] = row if row.name == entry.id else msgspec.structs.replace(row, name=entry.id)
-        if len(page) < _REGISTRY_PAGE:
-            return nodes
-        after = page[-1].id
-
-
-def write_node(db: Database, row: NodeRow) -> int:
-    return db.put(NODES, check_name(row.name, "node"), msgspec.msgpack.encode(row))
-
-
-def delete_node(db: Database, name: str) -> int | None:
-    return db.delete(NODES, name)

@@ -204,6 +204,43 @@ def client_context(ca: PathLike, cert: PathLike | None = None, key: PathLike | N
     return context
 
 
+def ca_certificates(ca: PathLike) -> list[x509.Certificate]:
+    """The certificates of a CA bundle (a file, or a CA folder's `ca.pem`); TlsConfigError names the file."""
+    path = _ca_file(ca)
+    return _parse_certs(path, _read(path, "CA certificate"), "CA certificate")
+
+
+def certificates_pem(certs: Iterable[x509.Certificate]) -> bytes:
+    """Certificates as PEM, re-encoded one by one: whatever else their file held (a key) is never copied out."""
+    return b"".join(cert.public_bytes(serialization.Encoding.PEM) for cert in certs)
+
+
+def parse_certificates(data: bytes, source: str) -> list[x509.Certificate]:
+    """The PEM certificates in `data` (received from `source`, which the error names)."""
+    return _parse_certs(Path(source), data, "CA certificate")
+
+
+def fingerprint(cert: x509.Certificate) -> str:
+    """The SHA-256 fingerprint as `openssl x509 -noout -fingerprint -sha256` prints it."""
+    return cert.fingerprint(hashes.SHA256()).hex(":").upper()
+
+
+def issued_by_any(cert: x509.Certificate, cas: Iterable[x509.Certificate]) -> bool:
+    """Whether one of `cas` is `cert` itself or signed it directly."""
+    return any(cert == ca or _issued_by(cert, ca) for ca in cas)
+
+
+def certificate_chain(cert: PathLike) -> list[x509.Certificate]:
+    """The certificates of a node certificate file, leaf first; TlsConfigError names the file."""
+    path = Path(cert)
+    return _parse_certs(path, _read(path, "certificate"), "certificate")
+
+
+def certificate_identity(cert: x509.Certificate) -> PeerIdentity | None:
+    """The node identity a peer reads from this certificate in a session."""
+    return _identity_from_der(cert.public_bytes(serialization.Encoding.DER))
+
+
 def _check_files(ca: PathLike, cert: PathLike | None, key: PathLike | None) -> str:
     """Read and cross-check the files up front, because OpenSSL's own errors name neither the file nor the
     cause; returns the CA bundle as text."""

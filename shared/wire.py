@@ -86,6 +86,9 @@ class Schema(msgspec.Struct, tag="schema", kw_only=True):
     database: str
     epoch: str
     head_seq: Count  # the sender's audit sequence, for the subscriber's progress figures
+    # Records the sender will serve before it is caught up, counted when the session starts (at most
+    # BACKLOG_COUNT_CAP): the subscriber's copy progress and time left.
+    backlog: Count = 0
 
 
 class Batch(msgspec.Struct, tag="batch", kw_only=True):

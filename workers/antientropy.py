@@ -32,9 +32,8 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import msgspec
-from cryptography import x509
 
-from shared import digests, revocation, wire
+from shared import digests, membership, revocation, wire
 from shared.config import NAME_RE
 from shared.hlc import MAX_VERSION
 from shared.logs import log
@@ -184,6 +183,12 @@ class RoundResult:
     seconds: float = 0.0
     error: str = ""
     divergent: set[tuple[str, int]] = field(default_factory=set)  # (table, bucket)
+    # Registry rows the peer holds that do not verify here: (name, reason); they are not pulled.
+    refused_rows: list[tuple[str, str]] = field(default_factory=list)
+    # Records the peer holds under this node's origin at versions it never wrote, and how many of them this node
+    # wrote again as its own (superseding them everywhere).
+    foreign: int = 0
+    reasserted: int = 0
 
 
 Summary = tuple[int, str, bool, int | None]  # version, origin, tombstone, checksum (None: damaged)
@@ -200,8 +205,10 @@ class Round:
         rate: float,
         ceiling: Callable[[], int] = lambda: MAX_VERSION,
         horizon: Callable[[], int] = lambda: 0,
-        ca: x509.Certificate | None = None,
+        ca: revocation.CA | None = None,
+        verifier: membership.Verifier | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        blobs: Callable[[list[Entry]], Awaitable[None]] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`rate`: records repaired per second at most. `ceiling()`: the highest version this node accepts now
@@ -214,7 +221,10 @@ class Round:
         self._ceiling = ceiling
         self._horizon = horizon
         self._ca = ca  # verifies the revocations a peer serves for the system database
+        self._verifier = verifier if verifier is not None else membership.Verifier(ca)  # and its registry rows
         self._sleep = sleep
+        # Fetches the blobs pulled records refer to (workers.blobs.ensure); PeerError when one cannot be had.
+        self._blobs = blobs
         self._clock = clock
         self.result = RoundResult()
 
@@ -298,6 +308,8 @@ class Round:
         }
         pull: list[str] = []
         drop: list[str] = []
+        forged: list[tuple[str, int]] = []
+        altered: set[tuple[str, int]] = set()
         horizon = self._horizon()
         for record_id in sorted(theirs.keys() | ours.keys()):
             their_row = theirs.get(record_id)
@@ -308,6 +320,12 @@ class Round:
                 continue  # a tombstone this node purged (or may purge): absent is the same state
             self.result.divergent.add((table, digests.bucket_of(record_id)))
             our_healthy = our_row is not None and our_row[3] is not None
+            claim = self._claim(their_row, our_row) if their_row is not None else None
+            if claim is not None:
+                forged.append((record_id, their_row[0]))
+                if claim == "altered":
+                    altered.add((record_id, their_row[0]))
+                continue
             if their_row is not None and their_row[3] is not None:
                 if not our_healthy or _wins(their_row, our_row):
                     pull.append(record_id)
@@ -315,6 +333,21 @@ class Round:
                 drop.append(record_id)
         for start in range(0, len(pull), FETCH_CHUNK):
             await self._pull(table, pull[start : start + FETCH_CHUNK], drop)
+        if forged:
+            # A row of ours that is older than the peer's copy may also mean our file lost the newer one and took
+            # an older version from another peer: only our audit log tells, so it is asked; what it cannot
+            # disprove is pulled like any other difference.
+            proven = {claim for claim in forged if claim in altered}
+            proven.update(self._db.never_wrote(table, [claim for claim in forged if claim not in altered]))
+            unproven = [record_id for record_id, version in forged if (record_id, version) not in proven]
+            for start in range(0, len(unproven), FETCH_CHUNK):
+                await self._pull(table, unproven[start : start + FETCH_CHUNK], drop)
+            forged = [claim for claim in forged if claim in proven]
+        if forged:
+            self.result.foreign += len(forged)
+            written = self._db.reassert(table, forged)
+            self.result.reasserted += written
+            await self._pace(written)
         if drop:
             removed = self._db.drop_damaged(table, drop)
             self.result.repaired += removed
@@ -330,6 +363,8 @@ class Round:
         # A value that is not msgpack, or a revocation the CA did not sign (or its removal), is refused; the rest of
         # the answer still counts.
         refused = [entry for entry in entries if self._refuse([entry]) is not None]
+        if self._db.name == SYSTEM:
+            self.result.refused_rows.extend((e.id, r) for e, r in self._verifier.refusals(refused))
         if refused:
             log.warning(
                 "antientropy_value_refused",
@@ -341,6 +376,8 @@ class Round:
             entries = [entry for entry in entries if entry not in refused]
         # A row the peer found damaged when it came to serve it: if ours is damaged too, nobody vouches for it.
         drop.extend(record_id for record_id in reply.damaged if record_id in wanted)
+        if self._blobs is not None:
+            await self._blobs(entries)  # a record is applied only once its blob is safe here
         try:
             won = self._db.apply_batch(entries)
         except (BadRecord, BadName) as exc:
@@ -352,7 +389,29 @@ class Round:
         found = wire.bad_value(entries)
         if found is None and self._db.name == SYSTEM:
             found = revocation.refusal(entries, self._ca)
+            for entry, reason in self._verifier.refusals(entries):
+                found = found or f"registry row {entry.id[:70]!r}: {reason}"
         return found
+
+    def _claim(self, theirs: Summary, ours: Summary | None) -> str | None:
+        """Does the peer hold, under this node's origin, a version of a record that this node may never have written?
+        "altered": our own row at that very version has other content (certainly forged); "newer": our row is
+        healthy and older (forged unless our file lost the newer write, which `never_wrote` settles); None.
+
+        A record this node does not hold at all proves nothing (its file may have lost it: anti-entropy brings it
+        back), and neither does a file that is recovering, for the versions below its floor."""
+        db = self._db
+        if theirs[1] != db.node or theirs[3] is None or ours is None or ours[3] is None:
+            return None  # not ours; or damaged there (the peer repairs it from us) or here (we repair it)
+        if ours[0] == theirs[0] and ours[1] == theirs[1] and ours[3] != theirs[3]:
+            kind = "altered"
+        elif ours[0] < theirs[0]:
+            kind = "newer"
+        else:
+            return None
+        if db.recovering and theirs[0] <= db.own_floor:
+            return None
+        return kind
 
     async def _pace(self, records: int) -> None:
         if records and self._rate > 0:

@@ -85,6 +85,12 @@ class ChangeFeeds:
         if feed is not None:
             feed.poke()
 
+    async def discard(self, database: str) -> None:
+        """Close the feed of a database this worker closes (it is being removed); its waiters wake."""
+        feed = self._feeds.pop(database, None)
+        if feed is not None:
+            await feed.close()
+
     async def close(self) -> None:
         for feed in self._feeds.values():
             await feed.close()

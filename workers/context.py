@@ -8,12 +8,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
-from cryptography import x509
 
-from shared import messages, revocation
+from shared import membership, messages, revocation
 from shared.config import Config, database_matches
 from shared.logs import log
-from shared.store import Database, NodeRow, Store, read_nodes
+from shared.store import Database, NodeRow, Store
 from shared.tls import PeerIdentity
 from workers.changes import ChangeFeeds
 from workers.counters import Counters
@@ -31,13 +30,17 @@ class WorkerContext:
     report: Callable[[msgspec.Struct], None]
     wall: Callable[[], float] = time.time
     feeds: ChangeFeeds = field(init=False)
-    ca: x509.Certificate | None = None  # the cluster CA, which signs revocations
+    ca: revocation.CA | None = None  # the cluster CA (every CA of its bundle): it signs revocations and certificates
     _known: set[str] = field(default_factory=set)
     _revocations: list[revocation.Revocation] = field(default_factory=list)
     _revocations_seen: int = -1
+    verifier: membership.Verifier = field(init=False)
+    _registry: dict[str, NodeRow] = field(default_factory=dict)
+    _registry_seen: int = -1
 
     def __post_init__(self) -> None:
         self.feeds = ChangeFeeds(lambda name: self.store.database(name))
+        self.verifier = membership.Verifier(self.ca)
         self._known.update(self.store.names())
 
     @property
@@ -52,11 +55,21 @@ class WorkerContext:
             self.report(messages.DatabaseOpened(name=name))
         return db
 
+    def forget(self, name: str) -> None:
+        """The database was removed from this node: opening it again (re-created) is reported again."""
+        self._known.discard(name)
+
     def replicates(self, database: str) -> bool:
         return database == SYSTEM or database_matches(self.config.replication.databases, database)
 
     def registry(self) -> dict[str, NodeRow]:
-        return read_nodes(self.store.database(SYSTEM, create=True))
+        """The registry rows that verify (`shared.membership`), read again whenever the system database changed."""
+        system = self.store.database(SYSTEM, create=True)
+        seen = system.data_version()
+        if seen != self._registry_seen:
+            self._registry, _ = self.verifier.read(system, self.revoked)
+            self._registry_seen = seen
+        return self._registry
 
     def revocations(self) -> list[revocation.Revocation]:
         """The revocations in the registry that the cluster CA signed, read again whenever the system database
@@ -64,23 +77,12 @@ class WorkerContext:
         system = self.store.database(SYSTEM, create=True)
         seen = system.data_version()
         if seen != self._revocations_seen and self.ca is not None:
-            found: list[revocation.Revocation] = []
-            for entry in system.scan(revocation.TABLE, None, 100_000, skip_damaged=True):
-                try:
-                    found.append(revocation.from_record(entry.id, entry.value, self.ca))
-                except revocation.BadRevocation as exc:
-                    log.warning("revocation_refused", reason=str(exc), sample_by=())
-            self._revocations = found
+            self._revocations = revocation.stored(
+                system, self.ca, lambda reason: log.warning("revocation_refused", reason=reason, sample_by=())
+            )
             self._revocations_seen = seen
         return self._revocations
 
     def revoked(self, identity: PeerIdentity) -> str | None:
-        """Why a peer's certificate may not be used, if it is revoked (signed revocations, and the serials an
-        operator listed in the node's registry row), else None."""
-        for found in self.revocations():
-            if found.revokes(identity):
-                return f"certificate of {identity.name} (serial {identity.serial}) is revoked: {found.describe()}"
-        row = self.registry().get(identity.name)
-        if row is not None and identity.serial in row.revoked:
-            return f"certificate serial {identity.serial} of {identity.name!r} is revoked"
-        return None
+        """Why a peer's certificate may not be used, if a revocation the cluster CA signed revokes it, else None."""
+        return revocation.revoked_by(self.revocations(), identity)

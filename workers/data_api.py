@@ -4,6 +4,10 @@ Bad input (a bad name or header, a body that is not JSON, nests too deep, holds 
 large, a body that does not arrive in time) is answered 4xx with a message naming what is wrong; it never reaches the
 store. A full disk is 507. Values are stored as msgpack, so any JSON value within those limits round-trips.
 
+A value whose msgpack reaches `data.blob_threshold` is written as a blob file first and the record holds a reference
+to it (`shared.blobs`); reads return the value itself. A blob that is missing or damaged on this node is a 503 naming
+the record, never wrong bytes. Bodies and values are limited to `data.max_value_bytes` (413 beyond).
+
 `answer_errors`, installed on the whole node port, makes whatever else goes wrong a 500 with a JSON reason and one
 sampled log line: no request can put a traceback in the log.
 """
@@ -20,9 +24,10 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from shared import blobs
 from shared.config import NAME_RE, is_loopback
 from shared.logs import log, where
-from shared.store import BadName, DamagedRecord, Database, UnknownDatabase
+from shared.store import BadName, DamagedRecord, Database, DatabaseRemoving, UnknownDatabase
 from shared.wire import Entry
 from workers.context import SYSTEM, WorkerContext
 
@@ -38,6 +43,19 @@ INT_RANGE = "-2**63 to 2**64 - 1"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 _json = msgspec.json.Encoder()
+
+
+class BlobUnavailable(Exception):
+    """A record's blob is missing or damaged on this node: the record is not served until the blob is repaired."""
+
+    def __init__(self, database: str, entry: Entry, ref: blobs.Ref) -> None:
+        super().__init__(
+            f"record {entry.table}/{entry.id[:200]} of database {database!r} holds a blob (sha256 {ref.hex}, {ref.size}"
+            f" bytes) that is missing or damaged on this node; it is served again once repaired from a peer"
+            f" (replicator repair-blobs {database})"
+        )
+        self.database = database
+        self.ref = ref
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -174,7 +192,6 @@ async def answer_errors(request: web.Request, handler: Handler) -> web.StreamRes
 class DataApi:
     def __init__(self, ctx: WorkerContext) -> None:
         self._ctx = ctx
-        self._max_value = ctx.config.replication.max_frame_bytes // 4
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -198,13 +215,29 @@ class DataApi:
                 return await handler(request)
             except BadRequest as exc:
                 response = _error(exc.status, exc.message)
-                if exc.status == 408:
+                if exc.status in (408, 413):
                     response.force_close()  # the rest of the body may still be on its way
                 return response
             except BadName as exc:
                 return _error(400, str(exc))
+            except DatabaseRemoving as exc:
+                # The database was deleted and its file is leaving this node, for a moment (coordinator.drops).
+                response = _error(503, str(exc))
+                response.headers["Retry-After"] = "1"
+                return response
             except UnknownDatabase as exc:
                 return _error(404, str(exc))
+            except BlobUnavailable as exc:
+                log.warning(
+                    "blob_unavailable",
+                    database=exc.database,
+                    hash=exc.ref.hex,
+                    reason=str(exc),
+                    sample_by=("database",),
+                )
+                response = _error(503, str(exc))
+                response.headers["Retry-After"] = "60"
+                return response
             except DamagedRecord as exc:
                 # Never the damaged bytes: the error names the record, and a peer's copy replaces it.
                 interval = self._ctx.config.replication.antientropy_interval
@@ -258,13 +291,49 @@ class DataApi:
             raise BadRequest(409, f"cannot create database {name!r}: {what}")
 
     def _encode_value(self, value: Any) -> bytes:
-        return encode_value(value, self._max_value)
+        return encode_value(value, self._ctx.config.data.max_value_bytes)
+
+    def _blobs(self, database: str) -> blobs.BlobStore:
+        return blobs.for_database(self._ctx.store.data_dir, database)
+
+    async def _stored(self, database: str, data: bytes) -> bytes:
+        """What a record stores for a value's msgpack: the value itself, or the reference to the blob it was just
+        written to (durably, before the record is). A value inline travels inside a replication frame, so one over
+        a quarter of a frame is a blob whatever the threshold."""
+        config = self._ctx.config
+        if len(data) < config.data.blob_threshold and len(data) <= config.replication.max_frame_bytes // 4:
+            return data
+        ref = await asyncio.to_thread(self._blobs(database).write, data)
+        return blobs.reference(ref)
+
+    async def _value(self, database: str, entry: Entry) -> tuple[Any, int]:
+        """A record's value as the client wrote it (read from its blob when it has one), and the bytes read."""
+        ref = blobs.parse(entry.value)
+        if ref is None:
+            return msgspec.msgpack.decode(entry.value), 0
+        data = await asyncio.to_thread(self._blobs(database).read, ref)
+        if data is None:
+            raise BlobUnavailable(database, entry, ref)
+        return msgspec.msgpack.decode(data), len(data)
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The whole body, at most data.max_value_bytes (aiohttp's client_max_size is the replication frame's)."""
+        limit = self._ctx.config.data.max_value_bytes
+        too_large = f"the body exceeds the limit of {limit} bytes (data.max_value_bytes)"
+        if request.content_length is not None and request.content_length > limit:
+            raise BadRequest(413, too_large)
+        body = bytearray()
+        while chunk := await request.content.readany():
+            body.extend(chunk)
+            if len(body) > limit:
+                raise BadRequest(413, too_large)
+        return bytes(body)
 
     async def _body(self, request: web.Request) -> Any:
         timeout = self._ctx.config.listen.request_timeout
         try:
             async with asyncio.timeout(timeout):
-                raw = await request.read()
+                raw = await self._read_body(request)
         except TimeoutError:
             raise BadRequest(408, f"the body did not arrive within listen.request_timeout ({timeout:g} s)") from None
         except (ConnectionError, web.RequestPayloadError) as exc:
@@ -276,19 +345,15 @@ class DataApi:
         self._ctx.counters.inc("replicator_records_written_total", database, value=count)
 
     @staticmethod
-    def _record(entry: Entry) -> dict[str, Any]:
-        return {
-            "id": entry.id,
-            "value": msgspec.msgpack.decode(entry.value),
-            "version": entry.version,
-            "origin": entry.origin,
-        }
+    def _record(entry: Entry, value: Any) -> dict[str, Any]:
+        return {"id": entry.id, "value": value, "version": entry.version, "origin": entry.origin}
 
     async def put(self, request: web.Request) -> web.Response:
         database, table = self._names(request, write=True)
         record_id = self._id(request)
-        value = self._encode_value(await self._body(request))
-        version = self._database(database, write=True).put(table, record_id, value)
+        data = self._encode_value(await self._body(request))
+        db = self._database(database, write=True)
+        version = db.put(table, record_id, await self._stored(database, data))
         self._written(database, 1)
         return _ok({"id": record_id, "version": version})
 
@@ -298,7 +363,8 @@ class DataApi:
         entry = self._database(database, write=False).get(table, record_id)
         if entry is None:
             return _error(404, f"no record {record_id!r} in {database}/{table}")
-        return _ok(self._record(entry))
+        value, _ = await self._value(database, entry)
+        return _ok(self._record(entry, value))
 
     async def delete(self, request: web.Request) -> web.Response:
         database, table = self._names(request, write=True)
@@ -325,7 +391,8 @@ class DataApi:
             record_id = check_id(item["id"], f"item {index}: ")
             items.append((record_id, self._encode_value(item["value"])))
         if items:
-            self._database(database, write=True).put_many(table, items)
+            db = self._database(database, write=True)
+            db.put_many(table, [(record_id, await self._stored(database, data)) for record_id, data in items])
             self._written(database, len(items))
         return _ok({"count": len(items)})
 
@@ -339,4 +406,13 @@ class DataApi:
         if not 1 <= limit <= MAX_LIST_LIMIT:
             raise BadRequest(400, f"limit must be 1 to {MAX_LIST_LIMIT}, got {limit}")
         entries = self._database(database, write=False).scan(table, after, limit)
-        return _ok([self._record(entry) for entry in entries])
+        # A page of blobs could be gigabytes: it ends after the record that takes it past data.max_value_bytes.
+        budget = self._ctx.config.data.max_value_bytes
+        records = []
+        for entry in entries:
+            value, size = await self._value(database, entry)
+            records.append(self._record(entry, value))
+            budget -= size
+            if budget < 0:
+                break
+        return _ok(records)

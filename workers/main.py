@@ -29,7 +29,7 @@ from shared.keys import pair_key
 from shared.logs import log
 from shared.store import Store
 from shared.tls import TlsConfigError, client_context, server_context
-from workers import antientropy
+from workers import antientropy, blob_repair, blobs
 from workers.admission import WorkerAdmission
 from workers.context import SYSTEM, WorkerContext
 from workers.counters import Counters
@@ -95,7 +95,11 @@ class Worker:
         self._server: ReplicationServer | None = None
         self._http: aiohttp.ClientSession | None = None
         self._admission: WorkerAdmission | None = None
-        self._rounds: dict[str, asyncio.Task[None]] = {}  # anti-entropy rounds running, by pair
+        self._rounds: dict[tuple[str, str], asyncio.Task[None]] = {}  # anti-entropy rounds running, by pair
+        # Databases being removed from this node (DropDatabase until ReleaseDatabase), and the task closing each.
+        self._removing: set[str] = set()
+        self._closers: dict[str, asyncio.Task[None]] = {}
+        self._repairs: dict[int, asyncio.Task[None]] = {}  # blob repairs running, by the coordinator's request
 
     # -- pipe ------------------------------------------------------------------------------------------------
 
@@ -181,6 +185,12 @@ class Worker:
             case messages.Shutdown(deadline=deadline):
                 self._shutdown_deadline = deadline
                 self._stop.set()
+            case messages.DropDatabase():
+                self._drop_database(message)
+            case messages.ReleaseDatabase(database=database):
+                self._release_database(database)
+            case messages.RepairBlobs():
+                self._start_blob_repair(message)
 
     # -- boot and readiness ------------------------------------------------------------------------------------
 
@@ -191,6 +201,8 @@ class Worker:
             directory.mkdir(parents=True, exist_ok=True)
             store = Store(directory, config.node.name, clock_lead=config.replication.max_clock_skew)
             store.database(SYSTEM, create=True)
+            for name in self._removing:
+                store.block(name)
         except OSError as exc:
             raise BootError(f"data directory {config_module.data_dir(config)}: {exc.strerror or exc}") from None
         except Exception as exc:
@@ -212,7 +224,7 @@ class Worker:
             counters=Counters(),
             client_ssl=client_ssl,
             report=self.report,
-            ca=revocation.load_ca_cert(ca),
+            ca=revocation.load_ca_certs(ca),
         )
         log.on_suppressed = lambda event, n: self.ctx.counters.inc(  # type: ignore[union-attr]
             "replicator_log_events_suppressed_total", event, value=n
@@ -275,13 +287,14 @@ class Worker:
             done.error = "the pair's session is not connected"
             self.report(done)
             return
-        if pk in self._rounds:
+        pair = (message.key, message.database)
+        if pair in self._rounds:
             done.error = "a round of this pair is still running"
             self.report(done)
             return
         task = asyncio.get_running_loop().create_task(self._round(message, session), name=f"antientropy {pk}")
-        self._rounds[pk] = task
-        task.add_done_callback(lambda _: self._rounds.pop(pk, None))
+        self._rounds[pair] = task
+        task.add_done_callback(lambda _: self._rounds.pop(pair, None))
 
     async def _round(self, message: messages.AntiEntropy, session: PeerSession) -> None:
         assert self.ctx is not None and self._http is not None
@@ -300,8 +313,11 @@ class Worker:
                 ceiling=lambda: int((ctx.wall() + settings.max_clock_skew) * 1_000_000),
                 horizon=lambda: int((ctx.wall() - settings.tombstone_retention) * 1_000_000),
                 ca=ctx.ca,
+                verifier=ctx.verifier,
+                blobs=blobs.for_round(ctx, self._http, message.database, session.sub.url, session.peer),
             )
             result = await round_.run()
+            report_claims(ctx, session.peer, message.database, result)
         except Exception as exc:  # a round must never take the worker down; the coordinator logs the reason
             done.error = f"{type(exc).__name__}: {exc}"
         else:
@@ -314,6 +330,75 @@ class Worker:
             if result.repaired:
                 ctx.feeds.poke(message.database)
         self.report(done)
+
+    # -- blob repair (workers.blob_repair) -------------------------------------------------------------------------
+
+    def _start_blob_repair(self, message: messages.RepairBlobs) -> None:
+        if self.ctx is None or self._http is None:
+            self.report(
+                messages.BlobsRepaired(database=message.database, request=message.request, error="worker not booted")
+            )
+            return
+        task = asyncio.get_running_loop().create_task(self._blob_repair(message), name=f"repair {message.database}")
+        self._repairs[message.request] = task
+        task.add_done_callback(lambda _: self._repairs.pop(message.request, None))
+
+    async def _blob_repair(self, message: messages.RepairBlobs) -> None:
+        assert self.ctx is not None and self._http is not None
+        try:
+            answer = await blob_repair.repair_database(self.ctx, self._http, message, self._rng.random)
+        except Exception as exc:  # a repair must never take the worker down; the answer says why it stopped
+            answer = messages.BlobsRepaired(
+                database=message.database, request=message.request, error=f"{type(exc).__name__}: {exc}"
+            )
+        self.report(answer)
+
+    # -- databases removed from this node (coordinator.drops) ---------------------------------------------------
+
+    def _drop_database(self, message: messages.DropDatabase) -> None:
+        """Stop opening the database at once; end its sessions and close it, then answer DatabaseClosed."""
+        name = message.database
+        self._removing.add(name)
+        closed = messages.DatabaseClosed(database=name, worker=self.worker_id, pid=os.getpid(), request=message.request)
+        if self.ctx is None:
+            self.report(closed)  # not booted: nothing is open, and the store blocks it from the start
+            return
+        self.ctx.store.block(name)
+        previous = self._closers.pop(name, None)
+        if previous is not None:
+            previous.cancel()
+        task = asyncio.get_running_loop().create_task(self._close_database(name, closed), name=f"close {name}")
+        self._closers[name] = task
+        task.add_done_callback(lambda done: self._closers.pop(name, None) if self._closers.get(name) is done else None)
+
+    async def _close_database(self, name: str, closed: messages.DatabaseClosed) -> None:
+        assert self.ctx is not None and self._server is not None
+        ctx = self.ctx
+        for pk, session in list(self._sessions.items()):
+            if session.database == name:
+                del self._sessions[pk]
+                self._retire(session)
+        rounds = [task for (_, database), task in self._rounds.items() if database == name]
+        for task in rounds:
+            task.cancel()
+        await asyncio.gather(
+            *(session.wait_closed() for session in list(self._closing) if session.database == name),
+            *rounds,
+            self._server.close_database(name),
+            return_exceptions=True,
+        )
+        await ctx.feeds.discard(name)
+        ctx.store.forget(name)
+        ctx.forget(name)
+        self.report(closed)
+
+    def _release_database(self, name: str) -> None:
+        self._removing.discard(name)
+        closer = self._closers.pop(name, None)
+        if closer is not None:
+            closer.cancel()  # the coordinator gave up waiting: nothing may close the handle in use from now on
+        if self.ctx is not None:
+            self.ctx.store.unblock(name)
 
     def _retire(self, session: PeerSession, going_away: bool = False) -> None:
         session.stop(going_away)
@@ -375,7 +460,7 @@ class Worker:
     async def _shutdown(self) -> None:
         """Drain: close every session with going-away, commit what is applied, stop serving, within the deadline."""
         log.info("worker_stopping", deadline_s=self._shutdown_deadline)
-        for task in list(self._rounds.values()):
+        for task in [*self._rounds.values(), *self._closers.values(), *self._repairs.values()]:
             task.cancel()
         for session in list(self._sessions.values()):
             self._retire(session, going_away=True)
@@ -438,3 +523,22 @@ def _https_transport(http: aiohttp.ClientSession, url: str, ctx: WorkerContext) 
             raise antientropy.PeerError(f"{endpoint}: {exc or type(exc).__name__}") from None
 
     return transport
+
+
+def report_claims(ctx: WorkerContext, peer: str, database: str, result: antientropy.RoundResult) -> None:
+    """Log and count what a round refused: registry rows that do not verify, records under our origin that we
+    never wrote (and how many we wrote again as our own)."""
+    for name, reason in result.refused_rows:
+        ctx.counters.inc("replicator_registry_rows_refused_total", peer)
+        log.warning("registry_row_refused", peer=peer, name=name[:70], reason=reason, sample_by=("peer", "name"))
+    if result.foreign:
+        ctx.counters.inc("replicator_foreign_origin_refusals_total", peer, database, value=result.foreign)
+        log.warning(
+            "foreign_origin_refused",
+            peer=peer,
+            database=database,
+            records=result.foreign,
+            reasserted=result.reasserted,
+            reason="the peer holds records under this node's origin at versions it never wrote",
+            sample_by=("peer", "database"),
+        )

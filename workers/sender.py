@@ -26,6 +26,7 @@ from workers.context import WorkerContext
 HANDSHAKE_TIMEOUT = 15.0
 MAX_ORIGINS = 1024
 HOLDS_INTERVAL = 5.0  # at most this often, what the subscriber holds is reported to the coordinator
+BACKLOG_COUNT_CAP = 5_000_000  # a session's backlog is counted up to this many records (an index range count)
 
 
 class Sender:
@@ -77,7 +78,10 @@ class Sender:
         sub = await frames.expect(self._ws, wire.Subscribe, HANDSHAKE_TIMEOUT)
         db = self._open(sub)
         self._check_regression(db, sub.progress.get(self._ctx.node, 0))
-        await frames.send(self._ws, wire.Schema(database=db.name, epoch=db.epoch, head_seq=db.last_seq()))
+        backlog = OriginPlan.backlog(db, sub.progress, frozenset(sub.exclude), {self._peer: sub.own_upto})
+        await frames.send(
+            self._ws, wire.Schema(database=db.name, epoch=db.epoch, head_seq=db.last_seq(), backlog=backlog)
+        )
         self._holds = {origin: version for origin, version in sub.progress.items() if version > 0}
         self._report_holds(force=True)
         reader = asyncio.get_running_loop().create_task(self._read_acks(db))
@@ -264,6 +268,21 @@ class OriginPlan:
         # The damaged record an origin's stream waits at (this node holds it, but not intact), by origin. The
         # marks stay below it until anti-entropy replaces it.
         self.blocked: dict[str, str] = {}
+
+    @staticmethod
+    def backlog(db: Database, marks: dict[str, int], exclude: frozenset[str], limits: dict[str, int]) -> int:
+        """How many records a session from `marks` serves before it is caught up (what this node holds now)."""
+        total = 0
+        for origin, held in db.origins().items():
+            cap = limits.get(origin)
+            if origin in exclude or cap == 0:
+                continue
+            top = held.top if cap is None else min(held.top, cap)
+            if top > marks.get(origin, 0):
+                total += db.count_origin(origin, marks.get(origin, 0), top, cap=BACKLOG_COUNT_CAP - total)
+            if total >= BACKLOG_COUNT_CAP:
+                break
+        return total
 
     def next_batch(self, db: Database, limit: int) -> tuple[list[wire.Entry], dict[str, int], bool]:
         """(entries, raised marks, more pending) for the next batch of at most `limit` entries."""

@@ -20,11 +20,13 @@ from shared import wire
 from shared.logs import capture_library_logs, log
 from shared.store import UnknownDatabase
 from shared.tls import PeerIdentity, peer_identity
-from workers import antientropy, frames
+from workers import antientropy, blobs, frames, send_auth
 from workers.context import WorkerContext
 from workers.data_api import DataApi, answer_errors
 from workers.listener import GuardedSite
 from workers.sender import Sender
+
+NOT_REGISTERED = "is not in the registry"
 
 
 class ReplicationServer:
@@ -33,9 +35,12 @@ class ReplicationServer:
         self._ssl = server_ssl
         self._runner: web.AppRunner | None = None
         self._sockets: dict[Any, PeerIdentity] = {}  # live replication sessions, by the peer's identity
+        # The sender of each live session, and an event set once it no longer uses the store.
+        self._senders: dict[Any, tuple[Sender, asyncio.Event]] = {}
         app = web.Application(client_max_size=ctx.config.replication.max_frame_bytes, middlewares=[answer_errors])
         app.router.add_get("/replication", self.replication)
         app.router.add_post("/replication/antientropy", self.antientropy)
+        app.router.add_get("/replication/blobs/{database}/{hash}", self.blob)
         app.router.add_routes(DataApi(ctx).routes())
         self._app = app
 
@@ -79,21 +84,30 @@ class ReplicationServer:
             return f"certificate name {name!r} is this node's own"
         static = any(peer.name == name for peer in self._ctx.config.peers)
         if name not in self._ctx.registry() and not static:
-            return f"certificate name {name!r} is not in the registry"
+            return f"certificate name {name!r} {NOT_REGISTERED}"
         return self._ctx.revoked(identity)
 
-    def _peer(self, request: web.Request) -> PeerIdentity | web.Response:
-        """The authenticated peer's identity, or the response that refuses the request."""
+    async def _peer(self, request: web.Request) -> PeerIdentity | web.Response:
+        """The authenticated peer's identity, or the response that refuses the request. A certificate whose name
+        is not registered yet is asked about again on the send-auth schedule (`workers.send_auth`): its row may
+        still be on its way."""
         transport = request.transport
         ssl_object = transport.get_extra_info("ssl_object") if transport is not None else None
         identity = peer_identity(ssl_object) if ssl_object is not None else None
         if identity is None:
             log.warning("send_auth_refused", peer="", database="", reason="no client certificate")
             return web.Response(status=401, text="a client certificate from the cluster CA is required\n")
-        refusal = self._authorize(identity)
+        first = self._authorize(identity)
+        if first is not None and first.endswith(NOT_REGISTERED):
+            log.info("send_auth_waiting", peer=identity.name, reason=first, budget_s=send_auth.BUDGET)
+        refusal, attempts = await send_auth.reprobe(
+            lambda: self._authorize(identity), lambda reason: reason.endswith(NOT_REGISTERED)
+        )
         if refusal is not None:
-            log.warning("send_auth_refused", peer=identity.name, database="", reason=refusal)
+            log.warning("send_auth_refused", peer=identity.name, database="", reason=refusal, attempts=attempts)
             return web.Response(status=403, text=refusal + "\n")
+        if attempts > 1:
+            log.info("send_auth_admitted", peer=identity.name, attempts=attempts)
         return identity
 
     async def close_revoked(self) -> int:
@@ -107,9 +121,19 @@ class ReplicationServer:
         await asyncio.gather(*closing, return_exceptions=True)
         return len(closing)
 
+    async def close_database(self, database: str) -> None:
+        """End every live session that serves `database` (it is being removed from this node) and return once
+        none of them uses the store any more."""
+        serving = [(ws, done) for ws, (sender, done) in list(self._senders.items()) if sender.database == database]
+        reason = f"database {database} was deleted and is removed from this node"
+        await asyncio.gather(
+            *(frames.close(ws, wire.CLOSE_GOING_AWAY, reason) for ws, _ in serving), return_exceptions=True
+        )
+        await asyncio.gather(*(done.wait() for _, done in serving))
+
     async def antientropy(self, request: web.Request) -> web.Response:
         """One anti-entropy query from a peer (see `workers.antientropy`): msgpack in, msgpack out."""
-        identity = self._peer(request)
+        identity = await self._peer(request)
         if isinstance(identity, web.Response):
             return identity
         peer = identity.name
@@ -134,8 +158,15 @@ class ReplicationServer:
         reply = antientropy.answer(db, query)
         return web.Response(body=antientropy.encode(reply), content_type="application/msgpack")
 
+    async def blob(self, request: web.Request) -> web.StreamResponse:
+        """One blob for a peer's download (see `workers.blobs`), from the byte its Range header names."""
+        identity = await self._peer(request)
+        if isinstance(identity, web.Response):
+            return identity
+        return await blobs.serve(self._ctx, request, identity.name)
+
     async def replication(self, request: web.Request) -> web.StreamResponse:
-        identity = self._peer(request)
+        identity = await self._peer(request)
         if isinstance(identity, web.Response):
             return identity
         identity_name = identity.name
@@ -150,6 +181,8 @@ class ReplicationServer:
             return ws
         self._sockets[ws] = identity
         sender = Sender(self._ctx, ws, identity_name)
+        done = asyncio.Event()
+        self._senders[ws] = (sender, done)
         code, reason = wire.CLOSE_NORMAL, "session ended"
         try:
             await sender.run()
@@ -161,7 +194,12 @@ class ReplicationServer:
         except wire.MalformedFrame as exc:
             code, reason = exc.close_code, exc.reason
             log.warning("session_rejected", peer=identity_name, database=sender.database, code=code, reason=reason)
+        except UnknownDatabase as exc:
+            # The database is being removed from this node while the session starts (close_database).
+            code, reason = wire.CLOSE_GOING_AWAY, str(exc)
         finally:
             self._sockets.pop(ws, None)
+            self._senders.pop(ws, None)
+            done.set()
             await frames.close(ws, code, reason)
         return ws

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import random
+import sqlite3
 from collections.abc import Callable
 from typing import Any
 
@@ -27,8 +28,9 @@ from shared.hlc import physical_seconds
 from shared.logs import log
 from shared.store import BadName, BadRecord
 from shared.tls import PeerIdentity, peer_identity
-from workers import frames
+from workers import blobs, frames
 from workers.context import SYSTEM, WorkerContext
+from workers.dropped import open_for_subscription
 
 HANDSHAKE_TIMEOUT = 15.0
 DIAL_TIMEOUT = 15.0
@@ -77,10 +79,20 @@ class PeerSession:
             rng=rng,
             clock=loop.time,
         )
+        # A batch whose commit fails (a busy or full disk) is committed again on the seed's copy-cursor flush
+        # schedule, in the same session: the batch and its marks commit together or not at all, so the position
+        # never runs ahead of what is stored.
+        self._commit_backoff = Backoff(initial=0.25, maximum=30.0, floor=0.25, jitter="full", rng=rng, clock=loop.time)
         self.state = State.IDLE
         self.session_id = 0
         self.connected = False
         self.last_error = ""
+        self._own_upto = 0  # how far this session asked for our own writes back (a file that lost them)
+        # The session's copy figures: what the sender had to serve when it started, and what arrived since.
+        self.backlog = 0
+        self.received = 0
+        self.session_applied = 0
+        self.received_bytes = 0
         self.attempts = 0
         self._forced = False
         self._going_away = False
@@ -326,16 +338,18 @@ class PeerSession:
                 f"the peer's clock is {offset:.1f} s ahead of ours (max_clock_skew {settings.max_clock_skew:g} s)",
                 offset,
             )
-        db = ctx.database(self.database, create=True)
+        db = open_for_subscription(ctx, self.database)
         progress = db.progress()
         # Our own writes come back only from a file that lost them, and only those made before it began.
         own_upto = db.own_floor if db.recovering else 0
+        self._own_upto = own_upto
         await frames.send(
             ws,
             wire.Subscribe(database=self.database, progress=progress, exclude=self.sub.exclude, own_upto=own_upto),
         )
         schema = await frames.expect(ws, wire.Schema, HANDSHAKE_TIMEOUT)
         self.peer_head_seq = schema.head_seq
+        self.backlog, self.received, self.session_applied, self.received_bytes = schema.backlog, 0, 0, 0
         self.caught_up = False
         self.connected = True
         self._set_state(State.STREAMING)
@@ -386,29 +400,60 @@ class PeerSession:
                 sent = progress
 
     async def _receive(self, ws: Any, db: Any, session: int, sending: asyncio.Lock) -> None:
+        """Read the sender's batches and apply them in order, in two tasks: reading goes on while a batch waits on
+        its commit (see `_commit`) or on anything else, so the sender's pings are still answered. The sender has
+        at most its window of batches unacknowledged, which bounds the queue between them."""
+        queue: asyncio.Queue[wire.Batch] = asyncio.Queue()
+        reader = self._loop.create_task(self._read_batches(ws, queue))
+        applier = self._loop.create_task(self._apply_batches(ws, db, session, sending, queue))
+        try:
+            done, _ = await asyncio.wait({reader, applier}, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()
+        finally:
+            for task in (reader, applier):
+                task.cancel()
+            await asyncio.gather(reader, applier, return_exceptions=True)
+
+    async def _read_batches(self, ws: Any, queue: asyncio.Queue[wire.Batch]) -> None:
         ctx = self._ctx
-        labels = (self.database, self.peer)
-        batches = 0
         while True:
             message = await frames.receive(ws)
             if not isinstance(message, wire.Batch):
                 raise wire.ProtocolViolation(f"unexpected {type(message).__name__} from the sender")
             self._check_clock(message)
-            refusal = wire.bad_value(message.entries)
+            refusal = wire.bad_value(message.entries) or self._claims_our_origin(message.entries)
             if refusal is None and self.database == SYSTEM:
                 refusal = revocation.refusal(message.entries, ctx.ca)
             if refusal is not None:
                 raise wire.ProtocolViolation(f"batch refused, nothing applied: {refusal}")
-            try:
-                applied = db.apply_batch(message.entries, message.marks)
-            except (BadRecord, BadName) as exc:
-                raise wire.ProtocolViolation(f"batch refused, nothing applied: {exc}") from None
+            queue.put_nowait(message)
+
+    async def _apply_batches(
+        self, ws: Any, db: Any, session: int, sending: asyncio.Lock, queue: asyncio.Queue[wire.Batch]
+    ) -> None:
+        ctx = self._ctx
+        labels = (self.database, self.peer)
+        batches = 0
+        while True:
+            message = await queue.get()
+            entries = message.entries
+            if self.database == SYSTEM:
+                entries = refuse_registry_rows(ctx, self.peer, entries)
+            # The durability watermark: the batch and its marks wait until every blob it refers to is safe here.
+            await blobs.ensure(ctx, self._http, self.database, self.sub.url, self.peer, entries)
+            applied = await self._commit(db, entries, message.marks)
             if not batches:
                 self._backoff.reset()
             batches += 1
             async with sending:
                 await frames.send(ws, wire.Ack(seq=batches))
             self.applied += applied
+            self.session_applied += applied
+            self.received += len(entries)
+            self.received_bytes += sum(len(entry.value) + len(entry.id) for entry in entries)
+            if entries:
+                ctx.counters.inc("replicator_records_received_total", *labels, value=len(entries))
             if applied:
                 ctx.counters.inc("replicator_records_applied_total", *labels, value=applied)
                 ctx.feeds.poke(self.database)
@@ -424,6 +469,53 @@ class PeerSession:
             self._dirty = True
             # Reaching or leaving the caught-up state is reported at once: routing and recovery wait on it.
             self._report_progress(session, force=message.caught_up != was_caught_up)
+
+    async def _commit(self, db: Any, entries: list[wire.Entry], marks: dict[str, int]) -> int:
+        """Apply one batch and its marks in one transaction; when the store cannot commit (busy past its timeout,
+        a full disk, an I/O error), try the same batch again on the flush schedule, 0.25 s doubling to 30 s,
+        reset by a commit. A batch the store refuses as malformed ends the session instead."""
+        while True:
+            try:
+                applied = db.apply_batch(entries, marks)
+            except (BadRecord, BadName) as exc:
+                raise wire.ProtocolViolation(f"batch refused, nothing applied: {exc}") from None
+            except (sqlite3.OperationalError, OSError) as exc:
+                delay = self._commit_backoff.next_delay()
+                assert delay is not None  # the flush schedule never runs out
+                self._ctx.counters.inc("replicator_commit_retries_total", self.database)
+                log.warning(
+                    "commit_retry",
+                    peer=self.peer,
+                    database=self.database,
+                    delay_s=round(delay, 4),
+                    error=str(exc)[:200],
+                    sample_by=("database",),
+                )
+                await asyncio.sleep(delay)
+                continue
+            self._commit_backoff.reset()
+            return applied
+
+    def _claims_our_origin(self, entries: list[wire.Entry]) -> str | None:
+        """A sender serves this node's own writes back only to a file that lost them, up to where the subscription
+        asked (`own_upto`): any other record under our origin is one this node never wrote."""
+        for entry in entries:
+            if entry.origin == self._ctx.node and entry.version > self._own_upto:
+                self._ctx.counters.inc("replicator_foreign_origin_refusals_total", self.peer, self.database)
+                log.warning(
+                    "foreign_origin_refused",
+                    peer=self.peer,
+                    database=self.database,
+                    records=1,
+                    reasserted=0,
+                    reason="the sender served a record under this node's origin that it never wrote",
+                    sample_by=("peer", "database"),
+                )
+                return (
+                    f"record {entry.table}/{entry.id[:70]} claims this node's origin at version {entry.version},"
+                    " which it never wrote"
+                )
+        return None
 
     def _check_clock(self, batch: wire.Batch) -> None:
         """Refuse versions further ahead of our wall clock than max_clock_skew: they would drag our clock (and,
@@ -460,9 +552,27 @@ class PeerSession:
                 lag_seconds=round(self.lag_seconds, 6),
                 applied=self.applied,
                 caught_up=self.caught_up,
+                backlog=self.backlog,
+                received=self.received,
+                session_applied=self.session_applied,
+                received_bytes=self.received_bytes,
             )
         )
 
     @property
     def dirty(self) -> bool:
         return self._dirty
+
+
+def refuse_registry_rows(ctx: WorkerContext, peer: str, entries: list[wire.Entry]) -> list[wire.Entry]:
+    """The entries of a system-database batch without the registry rows that do not verify (each logged as
+    `registry_row_refused`). Skipped, not the whole batch: a row that verified on the sender may fail here only
+    because a revocation of its signer arrived here first, and the rest of the stream must go on."""
+    refused = ctx.verifier.refusals(entries)
+    if not refused:
+        return entries
+    for entry, reason in refused:
+        ctx.counters.inc("replicator_registry_rows_refused_total", peer)
+        log.warning("registry_row_refused", peer=peer, name=entry.id[:70], reason=reason, sample_by=("peer", "name"))
+    dropped = {id(entry) for entry, _ in refused}
+    return [entry for entry in entries if id(entry) not in dropped]

@@ -18,6 +18,7 @@ async def _raw(cluster: LocalCluster, method: str, path: str, body: str | None, 
 
 async def test_bad_requests_are_refused_with_a_reason(make_cluster) -> None:  # type: ignore[no-untyped-def]
     cluster = make_cluster(["a"], workers=1, token="s3cret")
+    cluster["a"].extra["data"] = {"max_value_bytes": 4 * 1024 * 1024}  # the 5 MB value below is over it
     cluster.start()
     try:
         await cluster.wait_ready()

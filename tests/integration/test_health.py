@@ -150,7 +150,8 @@ def small_disk(directory: Path, size: str) -> Iterator[None]:
     try:
         yield
     finally:
-        subprocess.run(["umount", str(directory)], capture_output=True, check=False)
+        # Workers leave just after their coordinator (parent-death signal): detach now, free when they are gone.
+        subprocess.run(["umount", "-l", str(directory)], capture_output=True, check=False)
 
 
 def fill(directory: Path) -> Path:
@@ -210,3 +211,51 @@ async def test_readyz_is_503_with_the_reason_while_the_disk_is_full(make_cluster
         finally:
             await cluster.close()
             cluster.stop()
+
+
+async def _session_of(cluster: LocalCluster, name: str, peer: str, database: str) -> dict | None:
+    _, status = await cluster.admin(name, "/status")
+    for connection in status["connections"]:
+        for pair in connection["databases"]:
+            if connection["peer"] == peer and pair["database"] == database:
+                return pair
+    return None
+
+
+async def test_a_subscriber_on_a_full_disk_commits_again_in_the_same_session(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    """b's disk fills while a's records stream to it: each batch's commit (records and position together) fails,
+    and is tried again on the flush schedule (0.25 s doubling to 30 s) in the same session; once there is room the
+    batch commits, nothing was skipped, and the digests are equal."""
+    cluster = make_cluster(["a", "b"], workers=1, replication=dict(FAST))
+    data = cluster["b"].dir / "data"
+    with small_disk(data, "24m"):
+        try:
+            cluster.start()
+            await cluster.wait_ready()
+            await assert_serving(cluster, "a", "before")
+            await cluster.wait_converged(DATABASE, timeout=30, expect_count=1)
+            before = await _session_of(cluster, "b", "a", DATABASE)
+            assert before is not None and before["connected"]
+            filler = fill(data)
+            for start in range(0, 2000, 250):
+                records = [{"id": f"r{i:04d}", "value": {"pad": "x" * 2000}} for i in range(start, start + 250)]
+                status, body = await cluster.data("a", "POST", f"/data/{DATABASE}/t", records)
+                assert status == 200, body
+            await wait_for(
+                lambda: [e for e in cluster["b"].events("commit_retry") if e["database"] == DATABASE],
+                30,
+                "b to retry a commit on its full disk",
+            )
+            filler.unlink()
+            await cluster.wait_converged(DATABASE, timeout=60, expect_count=2001)
+            after = await _session_of(cluster, "b", "a", DATABASE)
+            assert after is not None and after["session"] == before["session"], (before, after)
+            retries = [e for e in cluster["b"].events("commit_retry") if e["database"] == DATABASE]
+            assert retries[0]["delay_s"] == pytest.approx(0.25, abs=0.25)
+            assert all(e["delay_s"] <= 30.0 for e in retries)
+            assert not [e for e in cluster["b"].events("session_disconnected") if e["database"] == DATABASE]
+            await assert_identical(cluster, [DATABASE])
+        finally:
+            await cluster.close()
+            cluster.stop()
+    assert_log_is_json(cluster["b"])

@@ -383,11 +383,13 @@ async def test_a_full_disk_is_507_and_reads_go_on(make_cluster: Callable[..., Lo
     try:
         await cluster.wait_ready()
         assert (await cluster.data("a", "PUT", "/data/full/t/first", "kept"))[0] == 200
-        # Fill it: values of 1 MB until one does not fit, then smaller ones, until not even 4 KB does.
+        # Fill it: values of 1 MB until one does not fit, then smaller ones, until not even 4 KB does. Each value
+        # differs: big ones are stored as content-addressed blob files, and equal ones would share one file.
         written = 0
         for size in (1 << 20, 1 << 16, 1 << 12):
             for _ in range(100):
-                status, body = await send(cluster, "PUT", f"/data/full/t/{written}", json.dumps("x" * size).encode())
+                value = json.dumps(f"{written}:" + "x" * size).encode()
+                status, body = await send(cluster, "PUT", f"/data/full/t/{written}", value)
                 if status != 200:
                     break
                 written += 1

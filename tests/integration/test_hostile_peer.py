@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import pytest
 from aiohttp import web
 
 from coordinator.local_cluster import LocalCluster, free_ports
-from shared import wire
+from shared import membership, wire
+from shared.store import NodeRow
 from shared.tls import client_context, issue_node_cert, server_context
 from tests.integration.conftest import FAST, assert_log_is_json, wait_for
 
@@ -241,3 +244,72 @@ async def test_nodes_with_different_frame_limits_never_send_a_frame_the_other_re
         await cluster.close()
     for name in ("a", "b"):
         assert_log_is_json(cluster[name])
+
+
+async def test_forged_registry_rows_and_origin_claims_are_refused(pair: tuple[LocalCluster, Path]) -> None:
+    """A certificate holder cannot rewrite another node's registry row (the issue's attack: it rewrote b's row and
+    the cluster cut b off), nor slip records in under the receiving node's own origin."""
+    cluster, folder = pair
+    mallet = membership.Signer.load("mallet", folder / "mallet.pem", folder / "mallet.key")
+    assert (await cluster.data("a", "PUT", "/data/real/t/x", {"v": "genuine"}))[0] == 200
+    await cluster.wait_converged("real", ["a", "b"], timeout=30, expect_count=1)
+
+    # A new file may lack writes of its own until the peers confirm it holds them all (it is recovering), and
+    # takes them back up to its floor from anyone: the claims are refused once it holds its history whole.
+    async def recovered() -> bool:
+        _, status = await cluster.admin("a", "/status")
+        return status["recovery"].get("real", {}).get("state") == "recovered"
+
+    await wait_for(recovered, 30, "a's new database to finish recovering")
+    now = int(time.time() * 1_000_000)
+    hijacked = NodeRow(name="b", url="wss://127.0.0.1:9", databases=[], holds=[])
+
+    async def lie(ws: Any, subscribe: wire.Subscribe) -> None:
+        if subscribe.database == "system":
+            own = NodeRow(name="mallet", url=f"wss://127.0.0.1:{peer.port}", replicates=True, holds=["real"])
+            entries = [
+                wire.Entry("nodes", "b", mallet.sign("nodes", hijacked, now), now, "mallet"),
+                wire.Entry("nodes", "b", mallet.sign("nodes", hijacked, now + 1), now + 1, "b"),
+                membership.signed_entry(mallet, "introductions", NodeRow(name="zed", url="wss://127.0.0.1:7"), now + 2),
+                membership.signed_entry(mallet, "nodes", own, now + 3),
+            ]
+            marks = {"mallet": now + 3}
+        else:
+            entries = [wire.Entry("t", "x", msgspec.msgpack.encode({"v": "forged"}), now + 4, "a")]
+            marks = {"a": now + 4}
+        await ws.send_bytes(wire.encode(wire.Schema(database=subscribe.database, epoch="x", head_seq=1)))
+        await ws.send_bytes(wire.encode(wire.Batch(entries=entries, marks=marks, head_seq=1, caught_up=True)))
+        while not ws.closed:
+            await ws.receive(timeout=30)
+
+    peer = FakePeer(cluster, folder, lie)
+    await peer.start()
+    try:
+        await _register(cluster, "mallet", peer.url, replicates=True)
+
+        async def listing() -> dict[str, Any] | None:
+            _, nodes = await cluster.admin("a", "/nodes")
+            found = {item["name"]: item for item in nodes}
+            return found if "zed" in found and found.get("mallet", {}).get("source") == "own" else None
+
+        nodes = await wait_for(listing, 30, "mallet's own row and its introduction of zed to be taken")
+        assert nodes["b"]["url"] == cluster["b"].url and nodes["b"]["source"] == "own", nodes["b"]
+        assert nodes["zed"]["source"] == "introduced by mallet"
+        refused = [e for e in cluster["a"].events("registry_row_refused") if e["name"] == "b"]
+        assert refused and {e["peer"] for e in refused} == {"mallet"}
+        assert any("only 'b' may write its own row" in e["reason"] for e in refused), refused
+
+        async def origin_refused() -> list[dict[str, Any]]:
+            return [e for e in cluster["a"].events("session_disconnected") if "claims this node's origin" in str(e)]
+
+        await wait_for(origin_refused, 30, "a to refuse the record mallet claims under a's origin")
+        assert (await cluster.data("a", "GET", "/data/real/t/x"))[1]["value"] == {"v": "genuine"}
+
+        # b was never cut off: data still flows both ways and the registries agree.
+        assert (await cluster.data("b", "PUT", "/data/after_forgery/t/x", {"ok": 1}))[0] == 200
+        await cluster.wait_converged("after_forgery", ["a", "b"], timeout=30, expect_count=1)
+        await cluster.wait_converged("real", ["a", "b"], timeout=30, expect_count=1)
+        await cluster.wait_converged("system", ["a", "b"], timeout=30)
+    finally:
+        await peer.close()
+    assert_log_is_json(cluster["a"])

@@ -61,6 +61,15 @@ EXPORTED: dict[str, frozenset[str]] = {
     "replicator_antientropy_records_repaired_total": frozenset({"peer", "database"}),
     "replicator_antientropy_divergent_buckets": frozenset({"peer", "database"}),
     "replicator_checksum_failures_total": frozenset({"database"}),
+    # Issue 9: what peers sent that their writer did not sign.
+    "replicator_registry_rows_refused_total": frozenset({"peer"}),
+    "replicator_foreign_origin_refusals_total": frozenset({"peer", "database"}),
+    # Issue 10: copies and commits.
+    "replicator_copy_remaining_records": frozenset({"peer", "database"}),
+    "replicator_records_received_total": frozenset({"database", "peer"}),
+    "replicator_commit_retries_total": frozenset({"database"}),
+    # Issue 10: blobs applied without their file.
+    "replicator_blobs_missing_total": frozenset({"database"}),
 }
 # Labels Prometheus attaches to every series of a target (prometheus.yml gives each target its `node`).
 TARGET_LABELS = frozenset({"job", "instance", "node"})
@@ -83,6 +92,8 @@ LOG_EVENTS = [
     "antientropy_failed",
     "checksum_failed",
     "scrub_failed",
+    # Issue 9: deleting a database cluster-wide.
+    "database_dropped",
 ]
 
 
@@ -473,6 +484,17 @@ SCENARIOS = [
         [series("replicator_checksum_failures_total", "3x30", database="orders")],
         quiet("20m", "ReplicatorChecksumFailures"),
     ),
+    # A peer forging rows, then records under our origin in two databases: one alert per peer.
+    scenario(
+        [
+            series("replicator_registry_rows_refused_total", "0x5 2x30", peer="mallet"),
+            series("replicator_foreign_origin_refusals_total", "0x20 1x30", peer="mallet", database="orders"),
+            series("replicator_foreign_origin_refusals_total", "0x40", peer="b", database="orders"),
+        ],
+        quiet("4m", "ReplicatorPeerForgery"),
+        fires("8m", "ReplicatorPeerForgery", "warning", peer="mallet"),
+        quiet("40m", "ReplicatorPeerForgery"),
+    ),
 ]
 
 
@@ -602,6 +624,8 @@ def test_runbook_covers_the_operations_and_its_links_resolve() -> None:
         "replicator verify",
         "PUT 127.0.0.1:9926/nodes/",
         "DELETE 127.0.0.1:9926/nodes/",
+        "replicator delete-database",
+        "DELETE 127.0.0.1:9926/databases/",
         "[[peers]]",
         "systemctl reload",
         "node.workers",

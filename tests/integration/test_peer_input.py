@@ -11,7 +11,7 @@ import pytest
 from cryptography import x509
 
 from coordinator.local_cluster import LocalCluster
-from shared import wire
+from shared import revocation, wire
 from shared.tls import client_context, create_ca, issue_node_cert
 from tests.integration.conftest import wait_for
 
@@ -72,8 +72,11 @@ async def test_peers_without_a_valid_identity_are_refused_with_a_reason(mesh: Lo
     # A registered name whose certificate serial is revoked.
     revoked_cert, revoked_key = issue_node_cert(mesh.dir / "ca", "dora", ["127.0.0.1"], tmp_path / "dora")
     serial = format(x509.load_pem_x509_certificate(revoked_cert.read_bytes()).serial_number, "x")
-    dora = {"url": "wss://127.0.0.1:9", "replicates": False, "revoked": [serial]}
+    dora = {"url": "wss://127.0.0.1:9", "replicates": False}
     status, _ = await mesh.admin_request("a", "PUT", "/nodes/dora", dora)
+    assert status == 200
+    signed = msgspec.to_builtins(revocation.sign(mesh.dir / "ca", "dora", serial))
+    status, _ = await mesh.admin_request("a", "PUT", "/nodes/dora/revocations", signed)
     assert status == 200
     with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
         await _dial(mesh, client_context(ca_pem, revoked_cert, revoked_key))

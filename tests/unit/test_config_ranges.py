@@ -60,6 +60,7 @@ FLOATS = [
     ("replication.antientropy_interval", 0.0, 30 * DAY, False),
     ("replication.antientropy_rate", 0.0, 1e9, False),
     ("replication.scrub_rate", 0.0, 1e9, False),
+    ("replication.blob_rate", 0.0, 1e9, True),
     ("log.sample_window", 0.0, DAY, False),
 ]
 INTS = [
@@ -67,6 +68,8 @@ INTS = [
     ("replication.max_frame_bytes", 65536, 2**30),
     ("replication.window", 1, 1024),
     ("log.sample_burst", 1, 1_000_000),
+    ("data.blob_threshold", 1024, 2**30),
+    ("data.max_value_bytes", 1024, 2**30),
 ]
 
 

@@ -446,16 +446,21 @@ def test_dropping_an_entry_mid_redrive_cancels_its_timer_and_frees_its_slot(loop
 def test_a_registry_update_adding_several_pairs_dispatches_them_stagger_apart(
     loop: VirtualTimeLoop, tmp_path: Any
 ) -> None:
-    from shared.store import NodeRow, Store, write_node
+    from shared import membership, revocation
+    from shared.store import NodeRow, Store
+    from shared.tls import create_ca, issue_node_cert
 
+    create_ca(tmp_path / "ca")
     node, supervisor = make_node(loop)
     node.store = Store(tmp_path, "self")
+    node.verifier = membership.Verifier(revocation.load_ca_cert(tmp_path / "ca" / "ca.pem"))
     try:
         system = node.system()
         loop.advance_to(10.0)
         for name, port in (("b", 2000), ("c", 3000)):
+            signer = membership.Signer.load(name, *issue_node_cert(tmp_path / "ca", name, ["127.0.0.1"], tmp_path))
             row = NodeRow(name=name, url=f"wss://127.0.0.1:{port}", replicates=True, holds=["db1", "db2"])
-            write_node(system, row)
+            system.apply_batch([membership.signed_entry(signer, membership.NODES, row, 1_700_000_000_000_000)])
         node.sync_registry(system)  # one update: two peers, three pairs each, every draw 0.5 (0.3 s)
         loop.advance(5.0)
         assert _sends(supervisor) == [

@@ -171,7 +171,7 @@ def served(
     config = from_mapping(
         {
             "node": {"name": "a", "url": "wss://127.0.0.1:9925", "workers": 1},
-            "data": {"token": TOKEN, "max_databases": 3},
+            "data": {"token": TOKEN, "max_databases": 3, "max_value_bytes": 65536},
             "listen": {"request_timeout": 2.0},
             "replication": {"max_frame_bytes": 65536},
         },
@@ -228,7 +228,7 @@ hostile_bodies = st.one_of(
     st.lists(st.fixed_dictionaries({"id": st.one_of(ids, big_ints, st.none()), "value": json_values}), max_size=3).map(
         lambda items: json.dumps(items).encode()
     ),
-    st.just(b"x" * 70_000),  # over client_max_size
+    st.just(b"x" * 70_000),  # over data.max_value_bytes
 )
 # Header values the client can send (aiohttp's client refuses control characters, so bytes are checked above).
 sendable = st.text(alphabet=st.characters(blacklist_categories=("Cc", "Cs")), max_size=30)
@@ -304,7 +304,7 @@ def test_the_named_cases_answer_4xx_with_their_reason(
         ("PUT", "/data/db/t/x", b"[" * 999 + b"]" * 999, auth, 400, f"deeper than {MAX_DEPTH} levels"),
         ("PUT", "/data/db%0A/t/x", b"1", auth, 400, "bad database name 'db\\n'"),
         ("PUT", "/data/db/t%0A/x", b"1", auth, 400, "bad table name 't\\n'"),
-        ("PUT", "/data/db/t/x", b"x" * 70_000, auth, 413, "Maximum request body size"),
+        ("PUT", "/data/db/t/x", b"x" * 70_000, auth, 413, "limit of 65536 bytes (data.max_value_bytes)"),
         ("GET", "/nowhere", None, auth, 404, "Not Found"),
         ("PATCH", "/data/db/t/x", b"1", auth, 405, "Method Not Allowed"),
     ]

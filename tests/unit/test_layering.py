@@ -22,7 +22,8 @@ print("coordinator.node" in sys.modules)
 
 
 @pytest.mark.parametrize(
-    "module", ["coordinator.admin", "coordinator.antientropy", "coordinator.metrics", "coordinator.scaling"]
+    "module",
+    ["coordinator.admin", "coordinator.antientropy", "coordinator.drops", "coordinator.metrics", "coordinator.scaling"],
 )
 def test_a_module_the_node_builds_imports_alone_without_the_node(module: str) -> None:
     result = subprocess.run(

@@ -9,7 +9,6 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
 
 from shared import hlc
@@ -17,13 +16,9 @@ from shared.store import (
     BadName,
     BadRecord,
     Database,
-    NodeRow,
     Origin,
     Store,
     UnknownDatabase,
-    delete_node,
-    read_nodes,
-    write_node,
 )
 from shared.wire import Entry
 
@@ -700,8 +695,6 @@ def test_bad_names(store: Store, db: Database, name: str) -> None:
     assert isinstance(error.value, ValueError)
     with pytest.raises(BadName, match="table"):
         db.put(name, "id", b"")
-    with pytest.raises(BadName):
-        write_node(db, NodeRow(name=name, url="wss://x:1"))
     assert store.names() == ["main"]
 
 
@@ -743,26 +736,6 @@ def test_data_version_sees_every_commit(tmp_path: Path) -> None:
         assert after_mine != after_other
         assert mine.delete("t", "absent") is None
         assert mine.data_version() == after_mine
-
-
-# -- the node registry ---------------------------------------------------------------------------------------
-
-
-def test_registry_rows(db: Database) -> None:
-    write_node(db, NodeRow(name="n1", url="wss://n1:1", replicates=True, holds=["main"]))
-    write_node(db, NodeRow(name="n2", url="wss://n2:1", databases=["main"], revoked=["0a"]))
-    db.put("nodes", "broken", b"\xc1")  # not msgpack
-    db.put("nodes", "wrong", msgspec.msgpack.encode({"name": "wrong", "url": 5}))
-    db.put("nodes", "renamed", msgspec.msgpack.encode({"name": "other", "url": "wss://r:1", "extra": 1}))
-    nodes = read_nodes(db)
-    assert set(nodes) == {"n1", "n2", "renamed"}
-    assert nodes["n1"] == NodeRow(name="n1", url="wss://n1:1", replicates=True, holds=["main"])
-    assert nodes["n1"].databases == ["*"]
-    assert nodes["n2"].revoked == ["0a"] and not nodes["n2"].leader
-    assert nodes["renamed"].name == "renamed"
-    assert delete_node(db, "n1") is not None
-    assert delete_node(db, "n1") is None
-    assert set(read_nodes(db)) == {"n2", "renamed"}
 
 
 # -- several processes ---------------------------------------------------------------------------------------

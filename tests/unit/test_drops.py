@@ -1,0 +1,164 @@
+"""Applying deletion markers on a node (`coordinator.drops`), in virtual time with a fake supervisor and a real store:
+what is purged, when a file is removed, and that it is removed only once every worker process has closed it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coordinator.drops import RESEND, Drops
+from coordinator.node import Node
+from shared import dropped, messages
+from shared.store import SYSTEM, DatabaseRemoving, Store
+from tests.unit.fakeloop import VirtualTimeLoop
+from tests.unit.test_coordinator import FakeSupervisor, add, make_node, peer
+from tests.unit.test_store import FakeClock, rec
+
+WALL = 1_700_000_000.0
+TIMEOUT = 5.0
+
+
+async def inline(function: Any, *args: Any) -> Any:
+    return function(*args)
+
+
+@pytest.fixture
+def node(loop: VirtualTimeLoop, tmp_path: Path) -> Iterator[tuple[Node, FakeSupervisor]]:
+    node, supervisor = make_node(loop)
+    for slot, handle in supervisor.workers.items():
+        handle.pid = 100 + slot
+    clock = FakeClock(WALL)
+    node.wall = lambda: clock.ns / 1e9
+    node.store = Store(tmp_path / "data", "self", clock=clock)
+    node.holds = {SYSTEM}
+    node.drops = Drops(node, loop=loop, to_thread=inline, removal_timeout=TIMEOUT)
+    yield node, supervisor
+    node.store.close()
+
+
+def _hold(node: Node, name: str, versions: list[int]) -> None:
+    assert node.store is not None
+    node.store.database(name, create=True).apply_batch([rec(f"r{v}", v, "b") for v in versions])
+    node.holds.add(name)
+
+
+def _answer(node: Node, supervisor: FakeSupervisor, slots: list[int]) -> None:
+    for _, slot, message in supervisor.of(messages.DropDatabase):
+        if slot in slots:
+            pid = supervisor.workers[slot].pid
+            closed = messages.DatabaseClosed(database=message.database, worker=slot, pid=pid, request=message.request)
+            node.on_worker_message(slot, closed)
+
+
+def test_the_floor_covers_the_file_and_what_any_node_can_have_written(node: tuple[Node, FakeSupervisor]) -> None:
+    node_, _ = node
+    drops = node_.drops
+    # Each file keeps its own clock: this one's is far ahead of the system database's.
+    ahead = int((WALL + 600) * 1_000_000)
+    _hold(node_, "typo", [ahead])
+    assert drops.known("typo") and not drops.known("never")
+    first = drops.request("typo")
+    assert first > ahead
+    # A version is at most max_clock_skew ahead of its writer's wall clock: the floor covers that much too.
+    _hold(node_, "fresh", [5])
+    second = drops.request("fresh")
+    assert second > int((WALL + node_.config.replication.max_clock_skew) * 1_000_000)
+    # A database only the registry knows of is known too.
+    add(node_, peer("b", 2000, holds=("elsewhere",)))
+    assert drops.known("elsewhere")
+    assert dropped.floors(node_.system()) == {"typo": first, "fresh": second}
+
+
+def test_an_emptied_database_is_removed_once_every_worker_closed_it(
+    node: tuple[Node, FakeSupervisor], loop: VirtualTimeLoop
+) -> None:
+    node_, supervisor = node
+    store = node_.store
+    assert store is not None
+    _hold(node_, "typo", [10, 20, 30])
+    add(node_, peer("b", 2000, holds=("typo",)))
+    assert any("typo" in entry.pairs for entry in node_.map)
+    floor = node_.drops.request("typo")
+
+    task = loop.create_task(node_.drops.apply())
+    loop.advance(0.0)
+    asked = supervisor.of(messages.DropDatabase)
+    assert sorted(slot for _, slot, _ in asked) == [0, 1]
+    # The pair went first (its Unsubscribe is ahead of the DropDatabase on the pipe), and nothing opens it here.
+    order = [type(m).__name__ for _, _, m in supervisor.sent if getattr(m, "database", None) == "typo"]
+    assert order.index("Unsubscribe") < order.index("DropDatabase")
+    assert not any("typo" in entry.pairs for entry in node_.map)
+    with pytest.raises(DatabaseRemoving):
+        store.database("typo")
+    _answer(node_, supervisor, [0])
+    loop.advance(1.0)
+    assert not task.done() and store.path("typo").exists()  # worker 1 still has it open
+
+    _answer(node_, supervisor, [1])
+    loop.advance(RESEND)
+    assert task.done()
+    assert task.result() == [{"database": "typo", "floor": floor, "removed": True, "records_removed": 3}]
+    assert not store.path("typo").exists() and "typo" not in store.names()
+    assert "typo" not in node_.holds
+    released = supervisor.of(messages.ReleaseDatabase)
+    assert sorted(slot for _, slot, _ in released) == [0, 1]
+    # Written to again, it is born with the floor.
+    db = store.database("typo", create=True)
+    assert db.dropped_floor == floor and db.put("t", "new", b"v") > floor
+    # And a later pass leaves what holds a record written after the deletion alone.
+    supervisor.sent.clear()
+    again = loop.create_task(node_.drops.apply())
+    loop.advance(0.0)
+    assert again.result() == [] and supervisor.of(messages.DropDatabase) == []
+
+
+def test_a_worker_that_does_not_close_it_keeps_the_file_for_a_later_pass(
+    node: tuple[Node, FakeSupervisor], loop: VirtualTimeLoop
+) -> None:
+    node_, supervisor = node
+    store = node_.store
+    assert store is not None
+    _hold(node_, "typo", [10])
+    node_.drops.request("typo")
+    task = loop.create_task(node_.drops.apply())
+    loop.advance(0.0)
+    _answer(node_, supervisor, [0])
+    # Worker 1 is replaced meanwhile: its successor is asked too, and the old one's answer would not count for it.
+    supervisor.workers[1].pid = 201
+    loop.advance(RESEND)
+    assert [slot for _, slot, _ in supervisor.of(messages.DropDatabase)] == [0, 1, 1]
+    loop.advance(TIMEOUT)
+    assert task.done()
+    (event,) = task.result()
+    assert (event["removed"], event["records_removed"]) == (False, 1)
+    assert store.path("typo").exists() and "typo" in node_.holds
+    assert sorted(slot for _, slot, _ in supervisor.of(messages.ReleaseDatabase)) == [0, 1]
+    assert store.database("typo").is_empty()  # unblocked; the next pass removes it
+
+    supervisor.sent.clear()
+    retry = loop.create_task(node_.drops.apply())
+    loop.advance(0.0)
+    _answer(node_, supervisor, [0, 1])
+    loop.advance(RESEND)
+    assert retry.done() and retry.result()[0]["removed"] is True
+    assert retry.result()[0]["records_removed"] == 0
+    assert not store.path("typo").exists()
+
+
+def test_records_written_after_the_deletion_keep_the_database(
+    node: tuple[Node, FakeSupervisor], loop: VirtualTimeLoop
+) -> None:
+    node_, supervisor = node
+    store = node_.store
+    assert store is not None
+    _hold(node_, "typo", [10, 20])
+    floor = node_.drops.request("typo")
+    store.database("typo").apply_batch([rec("later", floor + 1, "c")])
+    task = loop.create_task(node_.drops.apply())
+    loop.advance(0.0)
+    assert task.result() == [{"database": "typo", "floor": floor, "removed": False, "records_removed": 2}]
+    assert supervisor.of(messages.DropDatabase) == []
+    assert "typo" in node_.holds and [e.id for e in store.database("typo").scan("t", None, 10)] == ["later"]

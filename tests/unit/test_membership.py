@@ -1,0 +1,231 @@
+"""Signed membership: a node's own registry row is worth something only if that node signed it, at that version;
+introductions never beat an own row; and a node refuses, and supersedes, records claiming its origin that it never
+wrote."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from shared import membership, revocation
+from shared.membership import INTRODUCTIONS, NODES, BadRow, Signer, Verifier, signed_entry
+from shared.store import Database, NodeRow, Store
+from shared.tls import PeerIdentity, create_ca, issue_node_cert, peer_identity
+from shared.wire import Entry
+from workers.antientropy import Round, local_transport
+
+V = 1_700_000_000_000_000  # a version: microseconds since the epoch
+
+
+@pytest.fixture
+def ca(tmp_path: Path) -> Path:
+    create_ca(tmp_path / "ca")
+    return tmp_path / "ca"
+
+
+def _signer(ca: Path, name: str, out: Path) -> Signer:
+    cert, key = issue_node_cert(ca, name, ["127.0.0.1"], out / name)
+    return Signer.load(name, cert, key)
+
+
+@pytest.fixture
+def signers(ca: Path, tmp_path: Path) -> dict[str, Signer]:
+    return {name: _signer(ca, name, tmp_path) for name in ("a", "b", "mallet")}
+
+
+@pytest.fixture
+def verifier(ca: Path) -> Verifier:
+    return Verifier(revocation.load_ca_cert(ca / "ca.pem"))
+
+
+@pytest.fixture
+def system(tmp_path: Path) -> Iterator[Database]:
+    with Store(tmp_path / "data", "a") as store:
+        yield store.database("system", create=True)
+
+
+def _row(name: str, url: str = "", **fields: object) -> NodeRow:
+    return NodeRow(name=name, url=url or f"wss://127.0.0.1:{9000 + len(name)}", **fields)  # type: ignore[arg-type]
+
+
+def _reason(verifier: Verifier, entry: Entry) -> str:
+    with pytest.raises(BadRow) as refused:
+        verifier.verify(entry)
+    return str(refused.value)
+
+
+def test_a_row_counts_only_as_signed_by_its_node_at_its_version(
+    verifier: Verifier, signers: dict[str, Signer], ca: Path, tmp_path: Path
+) -> None:
+    b, mallet = signers["b"], signers["mallet"]
+    good = signed_entry(b, NODES, _row("b", holds=["main"]), V)
+    assert verifier.verify(good).row.holds == ["main"]
+    assert verifier.verify(good).signer.name == "b"
+
+    # Another node's row, signed by the writer itself: the writer may not write b's own row.
+    forged = Entry(NODES, "b", mallet.sign(NODES, _row("b", url="wss://127.0.0.1:1"), V), V, "mallet")
+    assert "only 'b' may write its own row" in _reason(verifier, forged)
+    # ... nor pretend to be b: the origin must be the certificate's name.
+    assert "signed with the certificate of 'mallet'" in _reason(verifier, msgspec.structs.replace(forged, origin="b"))
+    # A genuine row replayed at a newer version (to undo a later one) or moved under another id.
+    assert "does not match" in _reason(verifier, msgspec.structs.replace(good, version=V + 1))
+    assert "stored under" in _reason(verifier, msgspec.structs.replace(good, id="c"))
+    # Its content changed after signing.
+    signed = msgspec.msgpack.decode(good.value, type=membership.SignedRow)
+    altered = msgspec.structs.replace(signed, row=_row("b", holds=["main", "evil"]))
+    assert "does not match" in _reason(verifier, msgspec.structs.replace(good, value=msgspec.msgpack.encode(altered)))
+    # Signed with a certificate another CA issued, under the right name.
+    create_ca(tmp_path / "other")
+    stranger = _signer(tmp_path / "other", "b", tmp_path / "other-certs")
+    assert "not one the cluster CA issued" in _reason(verifier, signed_entry(stranger, NODES, _row("b"), V))
+    # Rows from before signing, and junk.
+    legacy = Entry(NODES, "b", msgspec.msgpack.encode(_row("b")), V, "b")
+    assert "not a signed registry row" in _reason(verifier, legacy)
+    assert membership.legacy_row(legacy) == _row("b")
+    assert "not a signed registry row" in _reason(verifier, Entry(NODES, "b", b"\xc1", V, "b"))
+    # Without the CA nothing verifies.
+    assert "no CA certificate" in _reason(Verifier(None), good)
+
+
+def test_a_batch_loses_only_its_bad_registry_rows(verifier: Verifier, signers: dict[str, Signer]) -> None:
+    b, mallet = signers["b"], signers["mallet"]
+    good = signed_entry(b, NODES, _row("b"), V)
+    forged = Entry(NODES, "a", mallet.sign(NODES, _row("a"), V), V, "mallet")
+    intro = signed_entry(mallet, INTRODUCTIONS, _row("zed"), V)
+    removal = Entry(NODES, "b", b"", V + 5, "mallet", tombstone=True)
+    other = Entry("revocations_not", "x", b"\xc0", V, "mallet")
+    refused = verifier.refusals([good, forged, intro, removal, other])
+    assert [(entry.id, "only 'a' may write its own row" in reason) for entry, reason in refused] == [("a", True)]
+
+
+def test_the_registry_prefers_own_rows_and_drops_revoked_signers(
+    verifier: Verifier, signers: dict[str, Signer], system: Database, ca: Path
+) -> None:
+    a, b, mallet = signers["a"], signers["b"], signers["mallet"]
+    # a introduces c and b; b's own row is older than a's introduction of it, and still wins.
+    system.apply_batch([signed_entry(b, NODES, _row("b", url="wss://127.0.0.1:2222", holds=["main"]), V)])
+    version_c = membership.write(system, a, INTRODUCTIONS, _row("c", url="wss://127.0.0.1:3333"))
+    membership.write(system, a, INTRODUCTIONS, _row("b", url="wss://127.0.0.1:1"))
+    membership.write(system, a, NODES, _row("a", holds=["main"]))
+    system.apply_batch([signed_entry(mallet, INTRODUCTIONS, _row("m2"), V)])
+    with pytest.raises(ValueError, match="cannot write the own row"):
+        membership.write(system, a, NODES, _row("b"))
+
+    listing = verifier.listing(system)
+    assert {name: (row.url, source) for name, (row, _, source) in listing.items()} == {
+        "a": ("wss://127.0.0.1:9001", "own"),
+        "b": ("wss://127.0.0.1:2222", "own"),
+        "c": ("wss://127.0.0.1:3333", "introduced by a"),
+        "m2": ("wss://127.0.0.1:9002", "introduced by mallet"),
+    }
+    rows, versions = verifier.read(system)
+    assert rows["c"].url == "wss://127.0.0.1:3333"
+    assert versions["c"] == version_c and versions["b"] == V
+    assert verifier.own_row(system, "b") is not None and verifier.own_row(system, "c") is None
+
+    # Revoking mallet's certificate (by name) takes out what it signed.
+    signed = revocation.sign(ca, "mallet", now=2e9)
+
+    def revoked(identity: PeerIdentity) -> str | None:
+        return revocation.revoked_by([signed], identity)
+
+    assert "m2" not in verifier.read(system, revoked)[0]
+    assert peer_identity(mallet.cert_der) is not None
+
+    assert membership.remove(system, "b")
+    assert set(verifier.read(system)[0]) == {"a", "c", "m2"}
+    assert not membership.remove(system, "b")
+
+
+def test_reassert_supersedes_what_was_claimed_under_our_origin(system: Database) -> None:
+    system.put("t", "live", b"\x01")
+    system.put("t", "gone", b"\x02")
+    system.delete("t", "gone")
+    far = max(e.version for e in system.origin_entries("a", 0, 10)) + 10_000_000
+    written = system.reassert("t", [("live", far), ("gone", far), ("absent", far)])
+    assert written == 3
+    live, gone, absent = (_held(system, "t", key) for key in ("live", "gone", "absent"))
+    assert live[:3] == (b"\x01", "a", False) and live[3] > far
+    assert gone[1:3] == ("a", True) and gone[3] > far
+    assert absent[1:3] == ("a", True) and absent[3] > far
+    assert system.reassert("t", []) == 0
+
+
+def _held(db: Database, table: str, record_id: str) -> tuple[bytes, str, bool, int]:
+    entry = next(e for e in db.fetch(table, [record_id])[0] if e.id == record_id)
+    return entry.value, entry.origin, entry.tombstone, entry.version
+
+
+async def test_antientropy_supersedes_records_forged_under_our_origin(tmp_path: Path) -> None:
+    with Store(tmp_path / "a", "a") as ours, Store(tmp_path / "m", "mallet") as theirs:
+        mine, peer = ours.database("d", create=True), theirs.database("d", create=True)
+        mine.put("t", "k", msgspec.msgpack.encode("mine"))
+        peer.apply_batch(mine.origin_entries("a", 0, 10))
+        held = mine.origin_entries("a", 0, 10)[0]
+        # The peer rewrites our record under our origin at a newer version, and at our very version.
+        mine.put("t", "same", msgspec.msgpack.encode("mine"))
+        same = mine.origin_entries("a", held.version, 10)[0]
+        peer.apply_batch(
+            [
+                Entry("t", "k", msgspec.msgpack.encode("forged"), held.version + 5_000_000, "a"),
+                Entry("t", "same", msgspec.msgpack.encode("forged, and a higher checksum"), same.version, "a"),
+            ]
+        )
+        result = await Round(mine, local_transport(peer), rate=0).run()
+        assert result.error == "" and result.foreign == 2 and result.reasserted == 2
+        # Nothing forged was taken; ours was written again above the forgery, and goes back out.
+        assert _held(mine, "t", "k")[0] == msgspec.msgpack.encode("mine")
+        assert _held(mine, "t", "k")[3] > held.version + 5_000_000
+        assert _held(mine, "t", "same")[0] == msgspec.msgpack.encode("mine")
+        peer.apply_batch(mine.origin_entries("a", same.version, 10))
+        assert mine.digest() == peer.digest()
+        assert (await Round(mine, local_transport(peer), rate=0).run()).foreign == 0
+
+
+async def test_antientropy_takes_back_records_of_ours_the_file_lost(tmp_path: Path) -> None:
+    """A record under our origin that this node does not hold at all may be one its file lost: it comes back."""
+    with Store(tmp_path / "a", "a") as ours, Store(tmp_path / "b", "b") as theirs:
+        mine, peer = ours.database("d", create=True), theirs.database("d", create=True)
+        mine.put("t", "k", msgspec.msgpack.encode("mine"))
+        peer.apply_batch(mine.origin_entries("a", 0, 10))
+        with mine._write() as conn:  # lost behind the node's back
+            conn.execute("DELETE FROM records WHERE id = 'k'")
+        result = await Round(mine, local_transport(peer), rate=0).run()
+        assert result.foreign == 0 and result.repaired == 1
+        assert _held(mine, "t", "k")[0] == msgspec.msgpack.encode("mine")
+        assert mine.digest() == peer.digest()
+
+
+async def test_a_newer_write_of_ours_that_the_file_lost_is_pulled_not_superseded(tmp_path: Path) -> None:
+    """Our file lost its newest version of a record and took an older one from a stale peer: the audit log shows
+    the newer version a peer holds under our origin is ours, so it comes back instead of being written over."""
+    with Store(tmp_path / "a", "a") as ours, Store(tmp_path / "b", "b") as theirs:
+        mine, peer = ours.database("d", create=True), theirs.database("d", create=True)
+        mine.put("t", "k", msgspec.msgpack.encode("first"))
+        old = mine.origin_entries("a", 0, 10)[0]
+        mine.put("t", "k", msgspec.msgpack.encode("second"))
+        peer.apply_batch(mine.origin_entries("a", 0, 10))
+        with mine._write() as conn:  # lost behind the node's back ...
+            conn.execute("DELETE FROM records WHERE id = 'k'")
+        mine.apply_batch([old])  # ... and the older version came back from a peer that had not seen the newer
+        result = await Round(mine, local_transport(peer), rate=0).run()
+        assert result.foreign == 0 and result.reasserted == 0 and result.repaired == 1
+        assert _held(mine, "t", "k")[0] == msgspec.msgpack.encode("second")
+        assert mine.digest() == peer.digest()
+
+
+def test_every_ca_of_a_bundle_counts_during_a_rotation(ca: Path, tmp_path: Path) -> None:
+    create_ca(tmp_path / "new-ca")
+    bundle = [revocation.load_ca_cert(ca / "ca.pem"), revocation.load_ca_cert(tmp_path / "new-ca" / "ca.pem")]
+    old, new = _signer(ca, "b", tmp_path / "old"), _signer(tmp_path / "new-ca", "c", tmp_path / "new")
+    verifier = Verifier(bundle)
+    assert verifier.verify(signed_entry(old, NODES, _row("b"), V)).signer.name == "b"
+    assert verifier.verify(signed_entry(new, NODES, _row("c"), V)).signer.name == "c"
+    assert "not one the cluster CA issued" in _reason(Verifier(bundle[:1]), signed_entry(new, NODES, _row("c"), V))
+    signed = revocation.sign(tmp_path / "new-ca", "b", now=2e9)
+    assert revocation.verify(signed, bundle) == signed
+    with pytest.raises(revocation.BadRevocation, match="not signed by the cluster CA"):
+        revocation.verify(signed, bundle[:1])

@@ -1,0 +1,245 @@
+"""Deleting a database cluster-wide, as the store sees it: the deletion floor (`Database.drop_through`), the files
+born with it, and the removal of a database's file (`Store.block` / `Store.remove`)."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+
+from shared import dropped
+from shared.store import SYSTEM, BadRecord, Database, DatabaseRemoving, Store, UnknownDatabase
+from shared.wire import Entry
+from tests.unit.test_store import FakeClock, rec
+from workers.dropped import DroppedDatabase
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def store(tmp_path: Path, clock: FakeClock) -> Iterator[Store]:
+    with Store(tmp_path / "a", "a", clock=clock) as store:
+        yield store
+
+
+def _rows(db: Database) -> list[tuple]:
+    with closing(sqlite3.connect(db.path)) as conn:
+        return conn.execute("SELECT tbl, id, version, origin, tombstone FROM records ORDER BY tbl, id").fetchall()
+
+
+def _audit_versions(db: Database) -> list[int]:
+    with closing(sqlite3.connect(db.path)) as conn:
+        return [version for (version,) in conn.execute("SELECT version FROM audit ORDER BY seq")]
+
+
+def _mixed(db: Database) -> list[Entry]:
+    """Records of three origins in two tables, tombstones among them, at versions 10..160; all applied to `db`."""
+    entries = [
+        rec(f"r{i}", 10 * (i + 1), origin, table=table, tomb=i % 5 == 4)
+        for i, (origin, table) in enumerate((o, t) for o in ("b", "c", "d") for t in ("t", "u") for _ in range(3))
+    ]
+    assert db.apply_batch(entries) == len(entries)
+    return entries
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 20_000])
+def test_drop_through_removes_everything_at_or_below_the_floor(
+    store: Store, tmp_path: Path, clock: FakeClock, chunk: int
+) -> None:
+    db = store.database("main", create=True)
+    entries = _mixed(db)
+    floor = 100
+    survivors = [entry for entry in entries if entry.version > floor]
+    assert 0 < len(survivors) < len(entries)
+
+    assert db.drop_through(floor, chunk=chunk) == len(entries) - len(survivors)
+
+    assert _rows(db) == sorted((e.table, e.id, e.version, e.origin, int(e.tombstone)) for e in survivors)
+    assert _audit_versions(db) == [entry.version for entry in survivors]
+    assert db.dropped_floor == db.dropped_purged == floor
+    # The bucket digests moved with every row that went: they are what a file that only ever held the survivors
+    # has, and what the rows add up to.
+    with Store(tmp_path / "fresh", "a", clock=clock) as fresh_store:
+        fresh = fresh_store.database("main", create=True)
+        fresh.apply_batch(survivors)
+        assert db.digest() == fresh.digest()
+        assert db.roots() == fresh.roots()
+        for table in ("t", "u"):
+            assert db.bucket_digests(table) == fresh.bucket_digests(table) == db.recount_digests(table)
+    assert db.check_digests() == 0
+
+
+def test_entries_at_or_below_the_floor_do_not_win(store: Store) -> None:
+    db = store.database("main", create=True)
+    db.drop_through(100)
+    old = [rec("x", 50, "b"), rec("y", 100, "c", tomb=True)]
+    assert db.apply_batch(old, {"b": 100}) == 0  # not an error: they just do not win
+    assert _rows(db) == []
+    assert db.origins()["b"].complete == 100  # the marks still count
+    assert db.apply_batch([rec("x", 60, "b"), rec("z", 101, "c")]) == 1
+    assert [row[1:3] for row in _rows(db)] == [("z", 101)]
+    assert db.get("t", "x") is None and db.get("t", "z") is not None
+
+
+def test_local_writes_land_above_a_floor_ahead_of_the_clock(store: Store, clock: FakeClock) -> None:
+    db = store.database("main", create=True)
+    ahead = clock.us + 30_000_000
+    db.drop_through(ahead)
+    assert db.put("t", "new", b"v") > ahead
+    assert all(version > ahead for version in db.put_many("t", [("more", b"v"), ("most", b"v")]))
+    assert db.delete("t", "new") > ahead
+
+
+def test_the_floor_only_rises(store: Store) -> None:
+    db = store.database("main", create=True)
+    db.apply_batch([rec("x", 50, "b"), rec("y", 150, "b")])
+    assert db.drop_through(100) == 1
+    assert db.drop_through(80) == 0  # an older marker arriving late changes nothing
+    assert db.dropped_floor == db.dropped_purged == 100
+    assert db.drop_through(200) == 1
+    assert db.dropped_floor == db.dropped_purged == 200
+    assert db.is_empty()
+
+
+def test_drop_through_refuses_a_floor_out_of_range(store: Store) -> None:
+    db = store.database("main", create=True)
+    with pytest.raises(BadRecord):
+        db.drop_through(0)
+    assert db.dropped_floor == 0
+
+
+def test_an_interrupted_purge_is_not_counted_as_done(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    db = store.database("main", create=True)
+    _mixed(db)
+    calls = 0
+    real = db._write
+
+    def failing_after_the_floor():  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise sqlite3.OperationalError("disk I/O error")
+        return real()
+
+    monkeypatch.setattr(db, "_write", failing_after_the_floor)
+    with pytest.raises(sqlite3.OperationalError):
+        db.drop_through(100, chunk=2)
+    monkeypatch.undo()
+    # The floor holds (nothing it covers is applied any more), but the file is not purged through it yet.
+    assert db.dropped_floor == 100 and db.dropped_purged == 0
+    assert db.apply_batch([rec("late", 90, "b")]) == 0
+    db.drop_through(100)
+    assert db.dropped_purged == 100
+    assert all(row[2] > 100 for row in _rows(db))
+
+
+def test_is_empty_counts_tombstones(store: Store) -> None:
+    db = store.database("main", create=True)
+    assert db.is_empty()
+    db.apply_batch([rec("x", 10, "b", tomb=True)])
+    assert not db.is_empty()
+
+
+# -- markers and files born after a deletion ---------------------------------------------------------------------
+
+
+def test_markers_give_each_deleted_database_its_floor(store: Store) -> None:
+    system = store.database(SYSTEM, create=True)
+    assert dropped.floors(system) == {} and store.dropped_floor("typo") == 0
+    first = dropped.write(system, "typo", requested_by="a", at=1.0)
+    assert dropped.floors(system) == {"typo": first} and store.dropped_floor("typo") == first
+    again = dropped.write(system, "typo", requested_by="b", at=2.0)
+    assert again > first and dropped.floors(system) == {"typo": again}
+    with pytest.raises(ValueError):
+        dropped.write(system, SYSTEM, requested_by="a", at=3.0)
+    # A marker a peer sent under a name no database can have, or for the system database, is not a floor.
+    system.apply_batch([rec("bad name", again + 1, "b", value=b"\x80", table="dropped")])
+    system.apply_batch([rec(SYSTEM, again + 2, "b", value=b"\x80", table="dropped")])
+    assert dropped.floors(system) == {"typo": again}
+    assert store.dropped_floor(SYSTEM) == 0
+
+
+def test_a_database_created_after_its_deletion_is_born_with_the_floor(store: Store, clock: FakeClock) -> None:
+    system = store.database(SYSTEM, create=True)
+    clock.advance(1)
+    floor = dropped.write(system, "typo", requested_by="a", at=1.0)
+    db = store.database("typo", create=True)
+    assert db.dropped_floor == db.dropped_purged == floor
+    assert db.apply_batch([rec("old", floor, "b")]) == 0
+    assert db.put("t", "new", b"v") > floor
+    other = store.database("other", create=True)
+    assert other.dropped_floor == 0
+
+
+# -- removing a database's file --------------------------------------------------------------------------------
+
+
+def test_a_blocked_database_is_neither_opened_nor_created(store: Store) -> None:
+    store.database("main", create=True)
+    store.block("main")
+    store.block("absent")
+    for name in ("main", "absent"):
+        with pytest.raises(DatabaseRemoving):
+            store.database(name)
+        with pytest.raises(DatabaseRemoving):
+            store.database(name, create=True)
+    assert not store.path("absent").exists()
+    store.unblock("main")
+    store.unblock("absent")
+    assert store.database("main") is not None
+    with pytest.raises(ValueError):
+        store.block(SYSTEM)
+
+
+def test_remove_deletes_only_an_empty_blocked_file(store: Store) -> None:
+    db = store.database("main", create=True)
+    db.apply_batch([rec("x", 10, "b")])
+    with pytest.raises(RuntimeError):
+        store.remove("main")  # not blocked: another caller may still be using it
+    store.block("main")
+    assert not store.remove("main")
+    assert store.path("main").exists()
+    store.unblock("main")
+    db = store.database("main")  # the handle was closed by remove(): a new one
+    db.drop_through(10)
+    (store.data_dir / "main.blobs").mkdir()
+    (store.data_dir / "main.blobs" / ("0" * 64)).write_bytes(b"\xc0")  # a blob file of a record that is gone
+    store.block("main")
+    assert store.remove("main")
+    store.unblock("main")
+    leftovers = [path.name for path in store.data_dir.iterdir() if path.name.startswith("main.")]
+    assert leftovers == []
+    assert "main" not in store.names()
+    with pytest.raises(UnknownDatabase):
+        store.database("main")
+
+
+def test_a_subscription_to_a_stale_peer_creates_nothing_until_a_newer_record(store: Store, clock: FakeClock) -> None:
+    class Ctx:  # what DroppedDatabase uses of a worker's context
+        def __init__(self, store: Store) -> None:
+            self.store = store
+            self.opened: list[str] = []
+
+        def database(self, name: str, create: bool = False) -> Database:
+            self.opened.append(name)
+            return self.store.database(name, create=create)
+
+    ctx = Ctx(store)
+    clock.advance(1)
+    floor = dropped.write(store.database(SYSTEM, create=True), "typo", requested_by="a", at=1.0)
+    stand_in = DroppedDatabase(ctx, "typo", floor)  # type: ignore[arg-type]
+    assert stand_in.progress() == {} and not stand_in.recovering and stand_in.own_floor == 0
+    assert stand_in.apply_batch([rec("old", floor - 5, "b"), rec("older", 7, "c")], {"b": floor}) == 0
+    assert not store.path("typo").exists() and ctx.opened == []
+    assert stand_in.apply_batch([rec("old", floor - 1, "b"), rec("new", floor + 1, "b")], {"b": floor + 1}) == 1
+    assert stand_in.created and ctx.opened == ["typo"]
+    db = store.database("typo")
+    assert db.dropped_floor == floor
+    assert [row[1] for row in _rows(db)] == ["new"]
+    assert stand_in.progress() == {"b": floor + 1}

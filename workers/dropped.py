@@ -1,0 +1,65 @@
+"""A subscription to a database this node deleted and removed, from a peer that still holds it.
+
+The peer may not have applied the deletion yet (it was down, or cut off): it still serves the records the deletion
+covers, which this node ignores. Creating the file for them would only see it removed again, and again for as long as
+the peer keeps advertising the database; so nothing is created here until the peer sends a record written after
+the deletion (above the floor). From then on the database simply exists again, born with its floor (`Store.database`).
+"""
+
+from __future__ import annotations
+
+from shared import wire
+from shared.store import Database, DatabaseRemoving
+from shared.wire import Entry
+from workers.context import SYSTEM, WorkerContext
+
+
+class DroppedDatabase:
+    """Stands in for the database a subscription applies to, until a record above the deletion floor arrives."""
+
+    def __init__(self, ctx: WorkerContext, name: str, floor: int) -> None:
+        self._ctx = ctx
+        self.name = name
+        self.floor = floor
+        self._db: Database | None = None
+
+    @property
+    def created(self) -> bool:
+        return self._db is not None
+
+    @property
+    def recovering(self) -> bool:
+        return False  # nothing of this node's own writes is asked back: the deletion covers them
+
+    @property
+    def own_floor(self) -> int:
+        return 0
+
+    def progress(self) -> dict[str, int]:
+        """Where the subscription resumes each origin: nothing is held until the file exists."""
+        return self._db.progress() if self._db is not None else {}
+
+    def apply_batch(self, entries: list[Entry], marks: dict[str, int] | None = None) -> int:
+        """Apply a peer's batch; until a record above the floor comes, it is all covered by the deletion, and the
+        marks (what the peer holds complete) are worth nothing here without a file to keep them in."""
+        if self._db is None:
+            if all(entry.version <= self.floor for entry in entries):
+                return 0
+            try:
+                self._db = self._ctx.database(self.name, create=True)
+            except DatabaseRemoving as exc:
+                raise wire.Refused(str(exc)) from None
+        return self._db.apply_batch(entries, marks)
+
+
+def open_for_subscription(ctx: WorkerContext, name: str) -> Database | DroppedDatabase:
+    """The database a subscription to a peer applies to: the file, created when it has none, unless the database
+    was deleted cluster-wide and removed from this node (then a stand-in that creates it only for newer records)."""
+    try:
+        if name != SYSTEM and not ctx.store.path(name).exists():
+            floor = ctx.store.dropped_floor(name)
+            if floor:
+                return DroppedDatabase(ctx, name, floor)
+        return ctx.database(name, create=True)
+    except DatabaseRemoving as exc:
+        raise wire.Refused(str(exc)) from None
