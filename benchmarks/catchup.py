@@ -154,6 +154,7 @@ async def measure(outage: float, rate: float, size: int, workers: int, keep: str
                 "catchup_records_s": round(received / seconds),
             }
         finally:
+            cluster.stop()
             await cluster.close()
 
 

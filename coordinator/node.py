@@ -49,6 +49,9 @@ EXIT_BOOT_ERROR = 3
 BOOT_TIMEOUT = 60.0
 REGISTRY_POLL = 0.2
 WATCHER_HEALTHY_UPTIME = 10.0
+# A copy slower than this (MB/s) after SLOW_COPY_AFTER seconds, with more than that left, is logged (`copy_slow`).
+SLOW_COPY_MB_S = 10.0
+SLOW_COPY_AFTER = 30.0
 
 
 class BootError(Exception):
@@ -797,11 +800,33 @@ class Node:
         pair.received = message.received
         pair.session_applied = message.session_applied
         pair.received_bytes = message.received_bytes
+        self._warn_slow_copy(message.key, pair, now)
         entry = self.map.get(message.key)
         if entry is not None and pair.connected:
             self.router.report(message.database, entry.peer, up=True, caught_up=message.caught_up)
         if message.caught_up and message.database in self.recovering:
             self.check_recoveries()
+
+    def _warn_slow_copy(self, key: str, pair: PairState, now: float) -> None:
+        """A copy that has run for SLOW_COPY_AFTER and still has more than that much to go, below
+        SLOW_COPY_MB_S, is worth a look (a slow link or disk, a busy peer): one warning per session."""
+        copying = pair.copy(now)
+        if copying is None or pair.slow_copy_warned == pair.session or pair.connected_at is None:
+            return
+        running = now - pair.connected_at
+        if running < SLOW_COPY_AFTER or copying["mb_s"] >= SLOW_COPY_MB_S or (copying["eta_s"] or 0) < SLOW_COPY_AFTER:
+            return
+        pair.slow_copy_warned = pair.session
+        entry = self.map.get(key)
+        log.warning(
+            "copy_slow",
+            peer=entry.peer if entry else "",
+            database=pair.database,
+            mb_s=copying["mb_s"],
+            records=copying["records"],
+            total=copying["total"],
+            eta_s=copying["eta_s"],
+        )
 
     def on_worker_exit(self, handle: WorkerHandle) -> None:
         self.antientropy.on_worker_exit(handle.slot)

@@ -49,6 +49,7 @@ class PairState:
     received: int = 0
     session_applied: int = 0
     received_bytes: int = 0
+    slow_copy_warned: int | None = None  # the session a `copy_slow` warning was logged for
     reconnect_attempts: int = 0
     last_error: str = ""
     stall: StallWatch | None = None

@@ -89,6 +89,9 @@ class ReplicationSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     prune_interval: float = 60.0  # how often the audit history is pruned
     # A direct link down this long hands its origin to the other connected peers, until it is back and caught up.
     failover_after: float = 10.0
+    # A peer with a valid certificate whose registry row has not arrived yet is asked about again for this long
+    # (0.5 s doubling to 5 s) before it is refused; 0 refuses it at once.
+    send_auth_budget: float = 30.0
     # Versions further ahead of this node's wall clock are refused, and so is a peer whose clock is.
     max_clock_skew: float = 60.0
     # Anti-entropy: each (peer, database) compares digests about this often (a jittered draw of [0.5, 1) x it).
@@ -272,6 +275,7 @@ def _check(config: Config, source: str) -> None:
         "replication.tombstone_retention": (0.0, 3650 * day, True, "seconds"),
         "replication.prune_interval": (0.0, day, False, "seconds"),
         "replication.failover_after": (0.0, day, False, "seconds"),
+        "replication.send_auth_budget": (0.0, 3600.0, True, "seconds"),
         "replication.max_clock_skew": (0.0, day, False, "seconds"),
         "replication.antientropy_interval": (0.0, 30 * day, False, "seconds"),
         "replication.antientropy_rate": (0.0, 1e9, False, "records per second"),

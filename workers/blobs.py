@@ -39,6 +39,7 @@ CHUNK = 256 * 1024
 # A download that receives nothing for this long is cut (the session reconnects and resumes it).
 FETCH_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=15.0, sock_read=30.0)
 BUSY_WAIT = 0.1  # another download of the same blob holds its partial file: look again this often
+PARALLEL_DOWNLOADS = 4  # blobs of one batch downloaded at once
 _RANGE = re.compile(r"^bytes=(\d{1,19})-$")
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-\d+/\d+$")
 
@@ -90,9 +91,12 @@ async def ensure(
     if not missing:
         return
     store = blobs.for_database(ctx.store.data_dir, database)
-    for entry, ref in missing:
-        if await fetch(http, ctx.client_ssl, peer_url, database, ref, store, peer=peer):
-            continue
+    limit = asyncio.Semaphore(PARALLEL_DOWNLOADS)
+
+    async def one(entry: Entry, ref: blobs.Ref) -> None:
+        async with limit:
+            if await fetch(http, ctx.client_ssl, peer_url, database, ref, store, peer=peer):
+                return
         ctx.counters.inc("replicator_blobs_missing_total", database)
         log.error(
             "blob_missing",
@@ -104,6 +108,27 @@ async def ensure(
             size=ref.size,
             reason="the peer does not hold the blob; the record is applied without it until repair-blobs",
         )
+
+    # A few downloads at a time: one at a time leaves the link idle between a blob's request, its fsync and its
+    # rename. The first failure ends the others (their partial files stay, to be resumed).
+    downloads = [asyncio.ensure_future(one(entry, ref)) for entry, ref in _unique(missing)]
+    try:
+        await asyncio.gather(*downloads)
+    finally:
+        for download in downloads:
+            download.cancel()
+        await asyncio.gather(*downloads, return_exceptions=True)
+
+
+def _unique(missing: list[tuple[Entry, blobs.Ref]]) -> list[tuple[Entry, blobs.Ref]]:
+    """One download per blob, however many records of the batch refer to it."""
+    seen: set[str] = set()
+    unique = []
+    for entry, ref in missing:
+        if ref.hex not in seen:
+            seen.add(ref.hex)
+            unique.append((entry, ref))
+    return unique
 
 
 def for_round(

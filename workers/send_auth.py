@@ -30,15 +30,23 @@ async def reprobe(
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     rng: Callable[[], float] = random.random,
     clock: Callable[[], float] = time.monotonic,
+    budget: float = BUDGET,
 ) -> tuple[str | None, int]:
     """Ask `check()` (None: admitted, else the reason) until it admits, its refusal is final (`waiting(reason)` is
-    False), or the schedule runs out. Returns the last refusal (None when admitted) and how many times it asked."""
+    False), or the schedule runs out (`budget` seconds, `replication.send_auth_budget`; 0 asks once). Returns the
+    last refusal (None when admitted) and how many times it asked."""
     backoff = Backoff(
-        initial=INITIAL, maximum=MAXIMUM, jitter="full", budget=BUDGET, max_attempts=MAX_ATTEMPTS, rng=rng, clock=clock
+        initial=INITIAL,
+        maximum=MAXIMUM,
+        jitter="full",
+        budget=budget or None,
+        max_attempts=MAX_ATTEMPTS,
+        rng=rng,
+        clock=clock,
     )
     attempts = 1
     refusal = check()
-    while refusal is not None and waiting(refusal):
+    while refusal is not None and budget > 0 and waiting(refusal):
         delay = backoff.next_delay()
         if delay is None:
             break

@@ -97,11 +97,12 @@ class ReplicationServer:
         if identity is None:
             log.warning("send_auth_refused", peer="", database="", reason="no client certificate")
             return web.Response(status=401, text="a client certificate from the cluster CA is required\n")
+        budget = self._ctx.config.replication.send_auth_budget
         first = self._authorize(identity)
-        if first is not None and first.endswith(NOT_REGISTERED):
-            log.info("send_auth_waiting", peer=identity.name, reason=first, budget_s=send_auth.BUDGET)
+        if first is not None and first.endswith(NOT_REGISTERED) and budget > 0:
+            log.info("send_auth_waiting", peer=identity.name, reason=first, budget_s=budget)
         refusal, attempts = await send_auth.reprobe(
-            lambda: self._authorize(identity), lambda reason: reason.endswith(NOT_REGISTERED)
+            lambda: self._authorize(identity), lambda reason: reason.endswith(NOT_REGISTERED), budget=budget
         )
         if refusal is not None:
             log.warning("send_auth_refused", peer=identity.name, database="", reason=refusal, attempts=attempts)

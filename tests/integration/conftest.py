@@ -43,7 +43,8 @@ def make_cluster(tmp_path: Path) -> Iterator[Callable[..., LocalCluster]]:
 @pytest.fixture(scope="module")
 def mesh_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """Three nodes x two workers in full mesh, shared by the tests of a module."""
-    replication = {**FAST, "max_frame_bytes": 1024 * 1024}
+    # An unknown certificate is refused after 2 s of looking for its registry row, not 30 (test_peer_input).
+    replication = {**FAST, "max_frame_bytes": 1024 * 1024, "send_auth_budget": 2.0}
     cluster = LocalCluster(tmp_path_factory.mktemp("mesh"), ["a", "b", "c"], workers=2, replication=replication)
     cluster.prepare()
     cluster.start()

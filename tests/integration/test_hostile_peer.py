@@ -125,6 +125,7 @@ class FakePeer:
         self.dials: list[tuple[str, float]] = []  # (the dialling node, when)
         self.port = free_ports(1)[0]
         self._runner: web.AppRunner | None = None
+        self._open: set[web.WebSocketResponse] = set()
 
     @property
     def url(self) -> str:
@@ -140,12 +141,15 @@ class FakePeer:
         await web.TCPSite(self._runner, "127.0.0.1", self.port, ssl_context=context).start()
 
     async def close(self) -> None:
+        for ws in list(self._open):
+            await ws.close()
         if self._runner is not None:
             await self._runner.cleanup()
 
     async def _handle(self, request: web.Request) -> web.WebSocketResponse:
         ws = web.WebSocketResponse(protocols=[wire.SUBPROTOCOL])
         await ws.prepare(request)
+        self._open.add(ws)
         try:
             hello = wire.decode((await ws.receive(timeout=10)).data)
             assert isinstance(hello, wire.Hello)
@@ -156,6 +160,7 @@ class FakePeer:
             await self.serve(ws, subscribe)
         except (TimeoutError, ConnectionError, wire.MalformedFrame):
             pass
+        self._open.discard(ws)
         if not ws.closed:
             await ws.close()
         return ws

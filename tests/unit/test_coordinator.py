@@ -629,3 +629,35 @@ def test_tombstones_wait_for_every_holder_and_the_retention(loop: VirtualTimeLoo
     # A holder removed from the registry no longer holds anything back.
     node.on_node_removed("c")
     assert ("db", "c") not in node.peer_holds
+
+
+def test_a_slow_copy_is_warned_about_once_per_session(
+    loop: VirtualTimeLoop, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from shared import messages
+
+    node, _ = make_node(loop)
+    pair = PairState(
+        database="db",
+        payload=messages.Subscribe(key="k", peer="b", url="wss://x:1", database="db"),
+        created_at=0.0,
+        connected=True,
+        connected_at=0.0,
+        session=7,
+        backlog=1_000_000,
+    )
+
+    def report(at: float, received: int) -> None:
+        pair.received, pair.received_bytes = received, received * 100
+        node._warn_slow_copy("k", pair, at)
+
+    report(10.0, 5_000)  # slow, but too early to tell
+    report(40.0, 10_000)  # 0.025 MB/s with an hour to go: warned
+    report(50.0, 12_000)  # the same session: not again
+    pair.session, pair.connected_at = 8, 60.0
+    report(100.0, 990_000)  # a new session, fast: nothing
+    events = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+    slow = [e for e in events if e["event"] == "copy_slow"]
+    assert [(e["database"], e["records"], e["total"], e["mb_s"]) for e in slow] == [("db", 10_000, 1_000_000, 0.03)]

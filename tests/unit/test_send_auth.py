@@ -64,3 +64,16 @@ def test_the_attempt_cap_holds_even_with_tiny_delays(loop: VirtualTimeLoop) -> N
 
     refusal, attempts = loop.run_until_complete(main())
     assert refusal == MISSING and attempts == send_auth.MAX_ATTEMPTS + 1 == len(asked)
+
+
+def test_a_budget_of_zero_refuses_at_once(loop: VirtualTimeLoop) -> None:
+    asked: list[float] = []
+
+    def check() -> str | None:
+        asked.append(loop.time())
+        return MISSING
+
+    async def main() -> tuple[str | None, int]:
+        return await send_auth.reprobe(check, lambda why: True, sleep=asyncio.sleep, clock=loop.time, budget=0.0)
+
+    assert loop.run_until_complete(main()) == (MISSING, 1) and asked == [0.0]
