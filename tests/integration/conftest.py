@@ -7,6 +7,7 @@ running after SIGTERM is killed with its whole process group.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import sqlite3
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -20,6 +21,14 @@ from tests.integration.proxy import LinkProxy
 
 # Short thresholds so that recovery paths run within a test's time; the defaults are the seed's values.
 FAST = {"reconcile_interval": 1.0, "shutdown_timeout": 8.0}
+
+
+@pytest.fixture(autouse=True)
+def _collect_garbage() -> Iterator[None]:
+    """Collect after every test, so that a socket or transport a test left open is reported against that test
+    (as an unraisable ResourceWarning) rather than whichever later test the collector happens to run in."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture

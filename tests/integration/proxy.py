@@ -178,6 +178,14 @@ class LinkProxy:
         try:
             self._loop.run_forever()
         finally:
+            # Connections still being handled (accepted just as the proxy closed) end here, through their own
+            # `finally`, so no socket is left for the garbage collector to find open.
+            pending = asyncio.all_tasks(self._loop)
+            for task in pending:
+                task.cancel()
+            self._loop.run_until_complete(_settle(pending))
+            for forward in list(self._forwards.values()):
+                forward.reset()
             self._loop.run_until_complete(self._loop.shutdown_asyncgens())
             self._loop.close()
 
@@ -185,6 +193,10 @@ class LinkProxy:
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(CALL_TIMEOUT)
+
+
+async def _settle(tasks: set[asyncio.Task[Any]]) -> None:
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter, forward: _Forward) -> None:
@@ -202,8 +214,8 @@ async def _pump(source: asyncio.StreamReader, sink: asyncio.StreamWriter, forwar
 def _reset(writer: asyncio.StreamWriter) -> None:
     """Close with a TCP reset (SO_LINGER 0), as a broken link looks to the peer: no orderly FIN."""
     transport = writer.transport
-    if transport.is_closing():
-        return
+    # A transport already closing may be waiting to flush to a peer that no longer reads: abort it all the same,
+    # or its socket outlives the proxy.
     sock = writer.get_extra_info("socket")
     if sock is not None:
         try:
