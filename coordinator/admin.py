@@ -23,10 +23,10 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
+from prometheus_client.aiohttp import make_aiohttp_handler
 
 from coordinator.blob_repairs import NoWorker, WorkerExited
 from coordinator.filecheck import WriteProbe
-from coordinator.metrics import CONTENT_TYPE
 from coordinator.view import AdminView
 from shared import config as config_module
 from shared import membership, revocation
@@ -61,6 +61,9 @@ class AdminServer:
         self._node = node
         self._runner: web.AppRunner | None = None
         self._write_probe: WriteProbe | None = None  # made with the store: can it still write? (/readyz)
+        # prometheus-client's own handler: the text format or OpenMetrics as the scraper's Accept asks, gzip when
+        # its Accept-Encoding allows, `?name[]=` to select families.
+        self._exposition = make_aiohttp_handler(node.metrics.registry)
         app = web.Application()
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/healthz", self.healthz)
@@ -92,8 +95,9 @@ class AdminServer:
             await self._runner.cleanup()
             self._runner = None
 
-    async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self._node.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+    async def metrics(self, request: web.Request) -> web.StreamResponse:
+        self._node.metrics.prepare()
+        return await self._exposition(request)
 
     async def healthz(self, request: web.Request) -> web.Response:
         return _reply({"status": "ok", "node": self._node.name})

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import msgspec
 
+from coordinator.reachability import WILDCARD, listen_host_for, unreachable_from_peers
 from shared.config import NAME_RE, ConfigError, from_mapping, load, resolve_path
 from shared.keys import normalize_url
 from shared.tls import TlsConfigError, ca_paths, create_ca, host_san, issue_node_cert, server_context
@@ -125,11 +126,12 @@ def cmd_init(
     ca: str,
     config: str,
     peers: list[str],
-    host: str = "127.0.0.1",
+    host: str | None = None,
     workers: int | None = None,
 ) -> int:
     """Write a ready-to-run config at `config` and the node's certificate beside it, issued by the CA `ca`.
 
+    The node listens on `host`, by default on the URL's own address (every interface when the URL names a DNS name).
     Paths in the file are relative to its folder, so the folder can be moved with what it references.
     """
     try:
@@ -139,9 +141,11 @@ def cmd_init(
             raise _UsageError("--admin-port", f"must differ from --port ({port})")
         _check_name("--name", name)
         url_host = _check_url("--url", url)
+        host_given = host is not None
+        host = host if host is not None else listen_host_for(url_host)
         _check_host("--host", host)
         if workers is not None and (isinstance(workers, bool) or not 0 <= workers <= _MAX_WORKERS):
-            raise _UsageError("--workers", f"expected 0 (the CPU count) to {_MAX_WORKERS}, got {workers!r}")
+            raise _UsageError("--workers", f"expected 0 (one per usable CPU) to {_MAX_WORKERS}, got {workers!r}")
         if not data.strip():
             raise _UsageError("--data", "must not be empty")
         if not config.strip():
@@ -218,6 +222,19 @@ def cmd_init(
     except (ConfigError, TlsConfigError) as exc:
         _remove(config_path, cert_path, key_path)
         return _fail("init", f"the written config does not load back: {exc}", 1)
+    if not host_given and host == WILDCARD:
+        print(
+            f"replicator init: --url names {url_host!r}, not an address, so the node listens on every interface "
+            f"({WILDCARD}); give --host to listen on one",
+            file=sys.stderr,
+        )
+    unreachable = unreachable_from_peers(host, url)
+    if unreachable is not None:
+        print(
+            f"replicator init: warning: listen.host {host} is loopback but peers dial {unreachable} (--url): no other "
+            "machine can reach this node; give --host with the URL's address, or leave --host out",
+            file=sys.stderr,
+        )
     print(f"wrote config {config_path} (mode 0600: it holds the data API token, [data] token)")
     print(f"start the node with: replicator run --config {config_path}")
     return 0
@@ -313,7 +330,7 @@ def _render(
         f"name = {_toml_str(name)}",
         f"url = {_toml_str(url)}",
         f"data_dir = {_toml_str(data_dir)}",
-        _commented(f"workers = {workers}", "0: the CPU count" if workers == 0 else ""),
+        _commented(f"workers = {workers}", "0: one per CPU the node may use" if workers == 0 else ""),
         "",
         "[listen]",
         f"host = {_toml_str(host)}",

@@ -8,31 +8,130 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
+import os
 import sys
+import textwrap
 from collections.abc import Coroutine
 from typing import Any
 
 from shared.config import Config, ConfigError, load
-from shared.logs import log
+from shared.logs import bridge_logging, log
 
 EXIT_USAGE = 2
+ADMIN_ENV = "REPLICATOR_ADMIN"
+DEFAULT_ADMIN = "http://127.0.0.1:9926"
+EXIT_CODES = (
+    "exit codes: 0 success; 1 failure; 2 usage or configuration error; 3 boot error (port in use, unreadable "
+    "certificate, data directory not writable)"
+)
+# shtab's completion hints (shtab.FILE, shtab.DIRECTORY), so that building the parser does not import shtab.
+FILE = {"bash": "_shtab_compgen_files", "zsh": "_files"}
+DIRECTORY = {"bash": "_shtab_compgen_dirs", "zsh": "_files -/"}
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("replicator")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "0+unknown"
+
+
+def admin_urls() -> list[str]:
+    """The admin URLs in REPLICATOR_ADMIN (comma-separated): the default of every --admin option."""
+    return [url.strip() for url in os.environ.get(ADMIN_ENV, "").split(",") if url.strip()]
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default after its help, where there is one to show; text lines that start with a space (the
+    examples of an epilog) are printed as written, the others wrapped."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        default = action.default
+        if (
+            action.required
+            or default is None
+            or default is False
+            or default in ("", [])
+            or "default" in (action.help or "")
+        ):
+            return action.help
+        return super()._get_help_string(action)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "\n".join(
+            indent + line
+            if line.startswith(" ") or not line
+            else textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent)
+            for line in text.splitlines()
+        )
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        kwargs.setdefault("epilog", EXIT_CODES)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:  # type: ignore[override]
         self.print_usage(sys.stderr)
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         sys.exit(EXIT_USAGE)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="replicator", description="A replication node: identical databases across a cluster.")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+def _epilog(*examples: str) -> str:
+    """An example or two, then the exit codes."""
+    return "example:\n" + "\n".join(f"  {example}" for example in examples) + "\n\n" + EXIT_CODES
 
-    run = commands.add_parser("run", help="run one node in the foreground until SIGTERM or SIGINT")
-    run.add_argument("--config", required=True, help="the node's TOML config file")
+
+def _complete(action: argparse.Action, kind: dict[str, str]) -> None:
+    action.complete = kind  # type: ignore[attr-defined]  # read by shtab
+
+
+def build_parser() -> argparse.ArgumentParser:
+    admins = admin_urls()
+    admin_help = f"(default: the first URL in ${ADMIN_ENV} when set)"
+    parser = _Parser(
+        prog="replicator",
+        description="A replication node: identical databases across a cluster.",
+        epilog=(
+            "examples:\n"
+            "  replicator certs ca --out ca\n"
+            "  replicator init --name a --url wss://10.0.0.1:9925 --port 9925 --admin-port 9926 \\\n"
+            "      --data /var/lib/replicator/a --ca ca --config /etc/replicator/a.toml --peer b=wss://10.0.0.2:9925\n"
+            "  replicator run --config /etc/replicator/a.toml\n"
+            "  replicator status --check\n"
+            "  replicator completion bash > /etc/bash_completion.d/replicator\n"
+            "\n"
+            "environment:\n"
+            f"  {ADMIN_ENV}             the default of every --admin option (verify: a comma-separated list)\n"
+            "  REPLICATOR_<SECTION>_<KEY>   overrides a config key, e.g. REPLICATOR_NODE_WORKERS=4\n"
+            "\n" + EXIT_CODES
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    commands = parser.add_subparsers(
+        dest="command",
+        required=True,
+        parser_class=_Parser,
+        metavar="COMMAND",
+        help="one of these (`replicator COMMAND --help` for its options)",
+    )
+
+    run = commands.add_parser(
+        "run",
+        help="run one node in the foreground until SIGTERM or SIGINT",
+        description="Run one node (coordinator and workers) in the foreground until SIGTERM or SIGINT, which drain "
+        "and exit; SIGHUP reloads the peers.",
+        epilog=_epilog("replicator run --config /etc/replicator/a.toml --log-format text"),
+    )
+    _complete(run.add_argument("--config", required=True, help="the node's TOML config file"), FILE)
     run.add_argument("--workers", type=int, help="worker processes (overrides node.workers)")
-    run.add_argument("--log-format", choices=["json", "text"], help="json lines (default) or text for a terminal")
+    run.add_argument(
+        "--log-format",
+        choices=["json", "text"],
+        help="json lines or text for a terminal (default: log.format of the config, json unless set)",
+    )
     run.add_argument(
         "--check-integrity",
         action="store_true",
@@ -40,56 +139,153 @@ def build_parser() -> argparse.ArgumentParser:
         "quick_check",
     )
 
-    demo = commands.add_parser("demo", help="boot a local TLS cluster on loopback, replicate, report, stop")
-    demo.add_argument("--nodes", type=int, default=3)
-    demo.add_argument("--workers", type=int, default=2)
-    demo.add_argument("--records", type=int, default=2000)
-    demo.add_argument("--dir", help="keep the cluster's files here instead of a temporary folder")
+    check_config = commands.add_parser(
+        "check-config",
+        help="load a config file as `run` would and say whether the node would start with it",
+        description="Load the config file as `run` does (the file, the REPLICATOR_* overrides of this environment, "
+        "every check, the certificate files it names) and exit 0 with one line, or 2 with what is wrong (the "
+        "file, the key). The systemd units run it before the SIGHUP of `systemctl reload`.",
+        epilog=_epilog("replicator check-config --config /etc/replicator/a.toml"),
+    )
+    _complete(check_config.add_argument("--config", required=True, help="the node's TOML config file"), FILE)
+    check_config.add_argument("--json", action="store_true", help="print a JSON object instead of a line")
 
-    certs = commands.add_parser("certs", help="create the cluster CA or a node certificate")
-    certs_commands = certs.add_subparsers(dest="certs_command", required=True, parser_class=_Parser)
-    ca = certs_commands.add_parser("ca", help="create a cluster CA: DIR/ca.pem and DIR/ca.key")
-    ca.add_argument("--out", required=True)
-    node_cert = certs_commands.add_parser("node", help="issue a node certificate signed by the CA")
-    node_cert.add_argument("--ca", required=True, help="the CA folder")
-    node_cert.add_argument("--name", required=True)
+    demo = commands.add_parser(
+        "demo",
+        help="boot a local TLS cluster on loopback, replicate, report, stop",
+        description="Boot a local cluster on loopback with fresh certificates, write records on every node, show "
+        "convergence, lag and metrics, and stop cleanly: exit 0 only if all nodes converged.",
+        epilog=_epilog("replicator demo --nodes 3 --workers 2 --records 2000"),
+    )
+    demo.add_argument("--nodes", type=int, default=3, help="nodes in the cluster (at least 2)")
+    demo.add_argument("--workers", type=int, default=2, help="worker processes per node")
+    demo.add_argument("--records", type=int, default=2000, help="records written, spread over every node")
+    _complete(demo.add_argument("--dir", help="keep the cluster's files here instead of a temporary folder"), DIRECTORY)
+
+    certs = commands.add_parser(
+        "certs",
+        help="create the cluster CA, issue a node certificate or revoke one",
+        description="Create the cluster CA, issue a node certificate signed by it, or sign a revocation.",
+        epilog=_epilog(
+            "replicator certs ca --out ca", "replicator certs node --ca ca --name a --host 10.0.0.1 --out a"
+        ),
+    )
+    certs_commands = certs.add_subparsers(
+        dest="certs_command",
+        required=True,
+        parser_class=_Parser,
+        metavar="CERTS_COMMAND",
+        help="one of these (`replicator certs CERTS_COMMAND --help` for its options)",
+    )
+    ca = certs_commands.add_parser(
+        "ca",
+        help="create a cluster CA: DIR/ca.pem and DIR/ca.key",
+        description="Create a cluster CA: DIR/ca.pem and DIR/ca.key (keep ca.key private).",
+        epilog=_epilog("replicator certs ca --out ca"),
+    )
+    _complete(ca.add_argument("--out", required=True, help="the folder to write ca.pem and ca.key into"), DIRECTORY)
+    node_cert = certs_commands.add_parser(
+        "node",
+        help="issue a node certificate signed by the CA",
+        description="Issue a node certificate signed by the CA: DIR/NAME.pem and DIR/NAME.key, with the name and "
+        "every host in the SAN.",
+        epilog=_epilog("replicator certs node --ca ca --name a --host 10.0.0.1 --host a.example --out a"),
+    )
+    _complete(node_cert.add_argument("--ca", required=True, help="the CA folder (ca.pem and ca.key)"), DIRECTORY)
+    node_cert.add_argument("--name", required=True, help="the node's name (in the SAN and the file names)")
     node_cert.add_argument("--host", action="append", default=[], help="a host name or IP for the SAN (repeatable)")
-    node_cert.add_argument("--out", required=True)
+    _complete(
+        node_cert.add_argument("--out", required=True, help="the folder to write NAME.pem and NAME.key into"),
+        DIRECTORY,
+    )
     revoke = certs_commands.add_parser(
         "revoke",
         help="sign a revocation with the CA key: one certificate serial, or every certificate of the node so far",
+        description="Sign a revocation with the CA key, for one certificate serial or every certificate of the node "
+        "issued so far; print it or write it to a file, and store it through a node's admin URL.",
+        epilog=_epilog("replicator certs revoke --ca ca --name b --admin http://127.0.0.1:9926"),
     )
-    revoke.add_argument("--ca", required=True, help="the CA folder (ca.pem and ca.key)")
+    _complete(revoke.add_argument("--ca", required=True, help="the CA folder (ca.pem and ca.key)"), DIRECTORY)
     revoke.add_argument("--name", required=True, help="the node whose certificate is revoked")
     revoke.add_argument(
         "--serial", default="", help="the certificate serial in hex (default: every certificate issued until now)"
     )
-    revoke.add_argument("--out", help="write the signed revocation to this file (default: print it)")
-    revoke.add_argument("--admin", help="also store it through this node's admin URL (PUT /nodes/NAME/revocations)")
+    _complete(revoke.add_argument("--out", help="write the signed revocation to this file (default: print it)"), FILE)
+    revoke.add_argument(
+        "--admin",
+        default=admins[0] if admins else None,
+        help="also store it through this node's admin URL (PUT /nodes/NAME/revocations) "
+        f"(default: the first URL in ${ADMIN_ENV} when set, else only print it)",
+    )
 
-    init = commands.add_parser("init", help="write a ready-to-run config file and the node's certificate")
-    init.add_argument("--name", required=True)
-    init.add_argument("--url", required=True)
-    init.add_argument("--port", type=int, required=True)
-    init.add_argument("--admin-port", type=int, required=True)
-    init.add_argument("--data", required=True)
-    init.add_argument("--ca", required=True)
-    init.add_argument("--config", required=True)
-    init.add_argument("--peer", action="append", default=[], metavar="NAME=URL")
-    init.add_argument("--host", default="127.0.0.1", help="the address to listen on")
-    init.add_argument("--workers", type=int)
+    init = commands.add_parser(
+        "init",
+        help="write a ready-to-run config file and the node's certificate",
+        description="Write a ready-to-run config file and, beside it, the node's certificate issued by the CA. The "
+        "node port listens on the --url host when it is an address (every interface when it is a DNS name) unless "
+        "--host is given; a loopback --host with a URL other machines dial is warned about.",
+        epilog=_epilog(
+            "replicator init --name a --url wss://10.0.0.1:9925 --port 9925 --admin-port 9926 \\",
+            "    --data /var/lib/replicator/a --ca ca --config /etc/replicator/a.toml --peer b=wss://10.0.0.2:9925",
+        ),
+    )
+    init.add_argument("--name", required=True, help="the node's name, unique in the cluster")
+    init.add_argument("--url", required=True, help="how peers reach this node, wss://HOST:PORT (HOST is in the SAN)")
+    init.add_argument("--port", type=int, required=True, help="the node port (replication and data API, TLS)")
+    init.add_argument("--admin-port", type=int, required=True, help="the admin HTTP port (metrics, health, status)")
+    _complete(init.add_argument("--data", required=True, help="the node's data directory"), DIRECTORY)
+    _complete(init.add_argument("--ca", required=True, help="the CA folder (from `replicator certs ca`)"), DIRECTORY)
+    _complete(
+        init.add_argument("--config", required=True, help="the config file to write; the certificate goes beside it"),
+        FILE,
+    )
+    init.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        metavar="NAME=URL",
+        help="a static peer, e.g. b=wss://10.0.0.2:9925 (repeatable)",
+    )
+    init.add_argument(
+        "--host",
+        help="the address the node port listens on (default: the --url host when it is an IP address, 127.0.0.1 "
+        "for localhost, 0.0.0.0 for a DNS name)",
+    )
+    init.add_argument("--workers", type=int, help="worker processes (default: 0, the CPU count)")
 
-    status = commands.add_parser("status", help="the node's cluster status as a table")
-    status.add_argument("--admin", default="http://127.0.0.1:9926", help="the node's admin URL")
+    status = commands.add_parser(
+        "status",
+        help="the node's cluster status as a table",
+        description="The node's cluster status: its workers and its pairs (peer, database) as tables. With --check, "
+        "a one-line summary, and exit 1 with one line per problem on stderr when a wanted pair is not connected or a "
+        "worker is not ready (for scripts and health checks).",
+        epilog=_epilog("replicator status --admin http://127.0.0.1:9926", "replicator status --check || alert"),
+    )
+    status.add_argument(
+        "--admin",
+        default=admins[0] if admins else DEFAULT_ADMIN,
+        help=f"the node's admin URL (default: the first URL in ${ADMIN_ENV} when set, else {DEFAULT_ADMIN})",
+    )
     status.add_argument("--json", action="store_true", help="print the JSON document instead of a table")
+    status.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 1 when a pair is not connected or a worker is not ready, naming each on stderr; exit 0 otherwise",
+    )
 
     verify = commands.add_parser(
         "verify",
         help="compare every database's digest across nodes",
         description="Compare every database's digest across nodes: exit 0 when identical, 1 when they differ or a "
         "node cannot be reached, 2 on a usage error.",
+        epilog=_epilog("replicator verify --admin http://10.0.0.1:9926 --admin http://10.0.0.2:9926 --json"),
     )
-    verify.add_argument("--admin", action="append", required=True, help="an admin URL (repeat for each node)")
+    verify.add_argument(
+        "--admin",
+        action="append",
+        required=not admins,
+        help=f"an admin URL, repeated for each node (default: the comma-separated URLs in ${ADMIN_ENV})",
+    )
     verify.add_argument(
         "--repair",
         action="store_true",
@@ -108,8 +304,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Delete a database on every node: each drops every record written to it up to the deletion, for "
         "good, and removes the database. Writes after the deletion create it again. Exit 0 when the node took the "
         "request, 1 when it refused it or cannot be reached, 2 on a usage error.",
+        epilog=_epilog("replicator delete-database --admin http://127.0.0.1:9926 scratch"),
     )
-    delete_database.add_argument("--admin", required=True, help="a node's admin URL, e.g. http://127.0.0.1:9926")
+    delete_database.add_argument(
+        "--admin",
+        required=not admins,
+        default=admins[0] if admins else None,
+        help=f"a node's admin URL, e.g. {DEFAULT_ADMIN} {admin_help}",
+    )
     delete_database.add_argument("name", help="the database to delete")
     delete_database.add_argument(
         "--token", default="", help="sent as Authorization: Bearer TOKEN (an admin port behind an authenticating proxy)"
@@ -124,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-run). Exit 0 when done, 1 when the leader is unreachable, never ready, refuses the registration or the "
         "sessions, 2 on a usage or configuration error (a node.data_dir that is not empty), 3 on a certificate or "
         "port problem (another cluster CA, a certificate that does not name the node, a port in use).",
+        epilog=_epilog("replicator clone --leader http://10.0.0.1:9926 --config /etc/replicator/c.toml"),
     )
     clone.add_argument(
         "--leader",
@@ -131,8 +334,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the leader's admin URL, http://HOST:ADMIN_PORT (readiness, its CA, its registry and introductions are "
         "served there; not its wss:// node URL)",
     )
-    clone.add_argument(
-        "--config", required=True, help="the new node's config file (`replicator init` writes one); node.data_dir empty"
+    _complete(
+        clone.add_argument(
+            "--config",
+            required=True,
+            help="the new node's config file (`replicator init` writes one); node.data_dir empty",
+        ),
+        FILE,
     )
     clone.add_argument(
         "--no-run", action="store_true", help="stop cleanly once every database is copied (exit 0) instead of running"
@@ -143,21 +351,41 @@ def build_parser() -> argparse.ArgumentParser:
         description="Scan a database on one node for records whose blob file is absent or damaged and fetch each from "
         "the peers that hold the database, paced. Exit 0 when every one was repaired (or none was missing), 1 when "
         "some could not be or the node cannot be reached, 2 on a usage error.",
+        epilog=_epilog("replicator repair-blobs --admin http://127.0.0.1:9926 photos"),
     )
-    repair_blobs.add_argument("--admin", required=True, help="the node's admin URL, e.g. http://127.0.0.1:9926")
+    repair_blobs.add_argument(
+        "--admin",
+        required=not admins,
+        default=admins[0] if admins else None,
+        help=f"the node's admin URL, e.g. {DEFAULT_ADMIN} {admin_help}",
+    )
     repair_blobs.add_argument("database", help="the database to repair")
     repair_blobs.add_argument("--json", action="store_true", help="print the node's JSON answer")
-    repair_blobs.add_argument(
-        "--timeout", type=float, default=3600.0, help="seconds to wait for the repair to finish (default 3600)"
+    repair_blobs.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the repair to finish")
+
+    completion = commands.add_parser(
+        "completion",
+        help="print the shell completion script (bash or zsh)",
+        description="Print the completion script for bash or zsh, generated from this command line's parser.",
+        epilog=_epilog(
+            "replicator completion bash > /etc/bash_completion.d/replicator",
+            'replicator completion zsh > "${fpath[1]}/_replicator"',
+        ),
     )
+    completion.add_argument("shell", choices=["bash", "zsh"], help="the shell to complete in")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     match args.command:
         case "run":
             return _run(args)
+        case "check-config":
+            from coordinator.check_config import cmd_check_config
+
+            return cmd_check_config(args.config, args.json)
         case "demo":
             from coordinator.demo import run_demo
 
@@ -188,11 +416,12 @@ def main(argv: list[str] | None = None) -> int:
         case "status":
             from coordinator.inspect import cmd_status
 
-            return _asyncio_run(cmd_status(args.admin, args.json))
+            return _asyncio_run(cmd_status(args.admin, args.json, check=args.check))
         case "verify":
             from coordinator.inspect import cmd_verify
 
-            return _asyncio_run(cmd_verify(args.admin, repair=args.repair, as_json=args.json))
+            admins = args.admin or admin_urls()
+            return _asyncio_run(cmd_verify(admins, repair=args.repair, as_json=args.json))
         case "delete-database":
             from coordinator.delete_database import cmd_delete_database
 
@@ -205,6 +434,11 @@ def main(argv: list[str] | None = None) -> int:
             from coordinator.clone import cmd_clone
 
             return _asyncio_run(cmd_clone(args.leader, args.config, no_run=args.no_run))
+        case "completion":
+            import shtab
+
+            print(shtab.complete(parser, args.shell))
+            return 0
     return EXIT_USAGE
 
 
@@ -212,16 +446,17 @@ def _run(args: argparse.Namespace) -> int:
     try:
         config = load(args.config)
     except ConfigError as exc:
-        print(f"replicator: {exc}", file=sys.stderr)
+        log.plain("error", f"replicator: {exc}")
         return EXIT_USAGE
     if args.workers is not None:
         if not 1 <= args.workers <= 256:
-            print(f"replicator: --workers: expected 1 to 256, got {args.workers}", file=sys.stderr)
+            log.plain("error", f"replicator: --workers: expected 1 to 256, got {args.workers}")
             return EXIT_USAGE
         config.node.workers = args.workers
     if args.log_format:
         config.log.format = args.log_format
-    log.configure_from(config.log, node=config.node.name, worker="coordinator")
+    log.configure_from(config.log, node=config.node.name, proc="coordinator")
+    bridge_logging(log)
     return _asyncio_run(_serve(config, args.workers, args.check_integrity))
 
 

@@ -40,7 +40,7 @@ from cryptography import x509
 from shared.backoff import Backoff, Jitter
 from shared.config import NAME_RE, Config, ConfigError, PeerSection, data_dir, database_matches, load, resolve_path
 from shared.keys import normalize_url
-from shared.logs import log
+from shared.logs import bridge_logging, log
 from shared.store import SYSTEM
 from shared.tls import (
     TlsConfigError,
@@ -656,7 +656,8 @@ def _route_hint(config: Config, route: PeerSection) -> str:
 async def _run_node(config: Config, target: Plan, no_run: bool) -> int:
     from coordinator.node import Node
 
-    log.configure_from(config.log, node=config.node.name, worker="coordinator")
+    log.configure_from(config.log, node=config.node.name, proc="coordinator")
+    bridge_logging(log)
     node = Node(config, loop=asyncio.get_running_loop(), routes=[target.route] if target.run_route else [])
     run = asyncio.get_running_loop().create_task(node.run(), name="node")
     try:

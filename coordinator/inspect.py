@@ -24,7 +24,9 @@ async def _post(http: aiohttp.ClientSession, url: str, timeout: aiohttp.ClientTi
         return response.status, await response.json(content_type=None)
 
 
-async def cmd_status(admin: str, as_json: bool) -> int:
+async def cmd_status(admin: str, as_json: bool, check: bool = False) -> int:
+    """Print the node's status; with `check`, a one-line summary instead of the table, and exit 1 with one line
+    per problem on stderr when a pair is down or a worker is not ready."""
     admin = admin.rstrip("/")
     try:
         async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
@@ -37,9 +39,44 @@ async def cmd_status(admin: str, as_json: bool) -> int:
         return 1
     if as_json:
         print(json.dumps(body, indent=2))
-    else:
+    elif not check:
         print(render_status(body, time.time()))
-    return 0
+    if not check:
+        return 0
+    problems = status_problems(body)
+    for problem in problems:
+        print(f"replicator status: {problem}", file=sys.stderr)
+    if not as_json:
+        print(("FAILED" if problems else "ok") + f": {status_summary(body)}")
+    return 1 if problems else 0
+
+
+def status_problems(body: dict[str, Any]) -> list[str]:
+    """What `status --check` fails on, one line each: a worker slot that is not ready, a wanted pair not connected."""
+    workers = body.get("workers", [])
+    problems = [] if workers else ["no worker is running"]
+    for w in workers:
+        if not w["ready"]:
+            state = "not running" if w.get("pid") is None else f"pid {w['pid']}, not ready"
+            reason = f": {w['boot_error']}" if w.get("boot_error") else ""
+            problems.append(f"worker {w['id']} is down ({state}){reason}")
+    for connection in body.get("connections", []):
+        for d in connection["databases"]:
+            if not d["connected"]:
+                detail = f"{d['reconnect_attempts']} reconnects"
+                if d.get("last_error"):
+                    detail += f", last error: {str(d['last_error'])[:120]}"
+                problems.append(f"pair {connection['peer']}/{d['database']} is not connected ({detail})")
+    return problems
+
+
+def status_summary(body: dict[str, Any]) -> str:
+    workers = body.get("workers", [])
+    pairs = [d for c in body.get("connections", []) for d in c["databases"]]
+    return (
+        f"node {body.get('node')}, workers ready {sum(1 for w in workers if w['ready'])}/{len(workers)}, "
+        f"pairs connected {sum(1 for d in pairs if d['connected'])}/{len(pairs)}"
+    )
 
 
 def _age(seconds: float) -> str:

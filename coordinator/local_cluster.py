@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -229,11 +230,13 @@ class LocalNode:
             pass
 
     def events(self, event: str | None = None) -> list[dict[str, Any]]:
-        """The node's JSON log lines (optionally only one event)."""
+        """The node's JSON log lines (optionally only one event); a syslog priority (`<6>`, written when the node
+        takes its stderr for the journal) is dropped."""
         if not self.log_path.exists():
             return []
         found = []
-        for line in self.log_path.read_text(errors="replace").splitlines():
+        for raw in self.log_path.read_text(errors="replace").splitlines():
+            line = re.sub(r"^<[0-7]>", "", raw)
             if not line.startswith("{"):
                 continue
             try:

@@ -5,23 +5,46 @@ rather than prometheus-client's multiprocess mode. Why: multiprocess mode keys i
 replaced worker leaves files behind and the series count grows with restarts unless a stable slot identity is
 forced into it, and its gauges need a merge mode per metric. Here a replaced worker only stops sending increments:
 counters never go backwards, and series are bounded by the label values (peers, databases, worker slots) that
-exist. Gauges describing the current state (connected, lag, pending, rss) are computed at scrape time from the
-coordinator's own state, so a pair that is gone has no series left.
+exist. Histograms observed in a worker travel the same way, as counts per fixed bucket (`shared.histograms`).
+Gauges describing the current state (connected, lag, pending, rss) are computed at scrape time from the
+coordinator's own state, so a pair that is gone has no series left; so are the worker processes' CPU, open files
+and memory (psutil, by the pids the supervisor knows) and the certificates' expiry (read from their files). The
+coordinator's own process is the standard `process_*` and `python_info` series.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import importlib.metadata
+import itertools
+import math
+import platform
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+import psutil
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from coordinator.view import MetricsView
+from shared import config as config_module
+from shared.histograms import BATCH_APPLY_SECONDS, BUCKETS
 from shared.logs import log
-from shared.messages import CounterDelta
+from shared.messages import CounterDelta, HistogramDelta
+from shared.tls import TlsConfigError, ca_certificates, certificate_chain, issued_by_any
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+if TYPE_CHECKING:
+    from coordinator.supervisor import WorkerHandle
+
 # The warnings most worth graphing when they are sampled; their suppressed counters start at 0 so a rate exists.
 SAMPLED_EVENTS = (
     "send_auth_refused",
@@ -48,13 +71,36 @@ ANTIENTROPY_COUNTERS = (
     "replicator_antientropy_records_repaired_total",
 )
 
+# Histograms fed by the workers: name -> (help, label names); their buckets are shared.histograms.BUCKETS[name].
+FED_HISTOGRAMS: dict[str, tuple[str, tuple[str, ...]]] = {
+    BATCH_APPLY_SECONDS: (
+        "Time to commit one batch from a peer (its records and marks in one transaction, retries included)",
+        ("database",),
+    ),
+}
+# From a subscribe dispatched to a worker while the pair was not connected to the pair's connected report: the
+# dial, TLS, the handshake and any reconnects the worker's schedule made in between.
+SETUP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
 # `_created` series would double the series count for no use here.
 disable_created_metrics()
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("replicator")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "0+unknown"
+
+
+VERSION = _version()
+
+
 class Metrics:
     def __init__(self, node: MetricsView) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+        # The collectors of scrape-time series describe nothing (the node is not built yet when they register);
+        # without names they are still asked when a scrape selects families with `?name[]=`.
+        self.registry = CollectorRegistry(auto_describe=True, support_collectors_without_names=True)
         registry = self.registry
         # Fed by the workers' increments.
         self._fed: dict[str, Counter] = {
@@ -136,7 +182,28 @@ class Metrics:
                 ["limit"],
                 registry=registry,
             ),
+            "replicator_bytes_sent_total": Counter(
+                "replicator_bytes_sent_total",
+                "Bytes of replication frames sent to the peer, both ways of its sessions (WebSocket payloads)",
+                ["peer"],
+                registry=registry,
+            ),
+            "replicator_bytes_received_total": Counter(
+                "replicator_bytes_received_total",
+                "Bytes of replication frames received from the peer, both ways of its sessions (WebSocket payloads)",
+                ["peer"],
+                registry=registry,
+            ),
         }
+        self._histograms = _FedHistograms()
+        registry.register(self._histograms)
+        self._setup_connected = Histogram(
+            "replicator_setup_to_connected_seconds",
+            "From a subscription setup dispatched to a worker (the pair not connected) to its session connected",
+            ["peer"],
+            buckets=SETUP_BUCKETS,
+            registry=registry,
+        )
         # Fed by the coordinator's anti-entropy schedules (coordinator.antientropy).
         self._rounds: dict[str, Counter] = {
             "replicator_antientropy_rounds_total": Counter(
@@ -164,6 +231,9 @@ class Metrics:
         for limit in CONNECTION_LIMITS:
             self._fed["replicator_connections_refused_total"].labels(limit)
         registry.register(_StateCollector(node))
+        # The coordinator's own process: process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds...
+        ProcessCollector(registry=registry)
+        PlatformCollector(registry=registry)
         self._node = node
         log.on_suppressed = lambda event, n: self.suppressed(event, n)
 
@@ -191,10 +261,23 @@ class Metrics:
             if delta.value > 0:
                 counter.labels(*delta.labels).inc(delta.value)
 
-    def render(self) -> bytes:
+    def apply_histograms(self, deltas: list[HistogramDelta]) -> None:
+        for delta in deltas:
+            if not self._histograms.add(delta) and delta.name not in self._unknown_reported:
+                self._unknown_reported.add(delta.name)
+                log.warning("metric_unknown", name=delta.name, labels=len(delta.labels), buckets=len(delta.counts))
+
+    def setup_connected(self, peer: str, seconds: float) -> None:
+        self._setup_connected.labels(peer).observe(max(0.0, seconds))
+
+    def prepare(self) -> None:
+        """Create the series a scrape should show at 0 before their first event; call it before each scrape."""
         # Every wanted pair has its counters from the start, at 0, so rate() works before the first record.
         for entry in self._node.map:
             self._fed["replicator_reconnect_attempts_total"].labels(entry.peer)
+            self._fed["replicator_bytes_sent_total"].labels(entry.peer)
+            self._fed["replicator_bytes_received_total"].labels(entry.peer)
+            self._setup_connected.labels(entry.peer)
             for database in entry.pairs:
                 self._fed["replicator_records_applied_total"].labels(database, entry.peer)
                 self._fed["replicator_records_sent_total"].labels(database, entry.peer)
@@ -203,7 +286,59 @@ class Metrics:
         for database in self._node.holds:
             self._fed["replicator_checksum_failures_total"].labels(database)
             self._fed["replicator_blobs_missing_total"].labels(database)
+            self._histograms.touch(BATCH_APPLY_SECONDS, (database,))
+
+    def render(self) -> bytes:
+        """The Prometheus text format (the admin server negotiates the format itself, with `registry`)."""
+        self.prepare()
         return generate_latest(self.registry)
+
+
+class _FedHistograms(Collector):
+    """The histograms workers observe, kept here as cumulative counts per bucket, like the fed counters: a replaced
+    worker only stops sending, so no bucket goes backwards, and the series are bounded by the label values."""
+
+    def __init__(self) -> None:
+        # name -> label values -> (count per bucket, +Inf last, not cumulative; sum)
+        self._series: dict[str, dict[tuple[str, ...], tuple[list[float], list[float]]]] = {
+            name: {} for name in FED_HISTOGRAMS
+        }
+
+    def touch(self, name: str, labels: tuple[str, ...]) -> tuple[list[float], list[float]]:
+        series = self._series[name]
+        found = series.get(labels)
+        if found is None:
+            found = series[labels] = ([0.0] * (len(BUCKETS[name]) + 1), [0.0])
+        return found
+
+    def add(self, delta: HistogramDelta) -> bool:
+        """Add a worker's counts; False when they do not fit the metric (name, labels or buckets)."""
+        spec = FED_HISTOGRAMS.get(delta.name)
+        if (
+            spec is None
+            or len(delta.labels) != len(spec[1])
+            or len(delta.counts) != len(BUCKETS[delta.name]) + 1
+            or any(count < 0 for count in delta.counts)
+        ):
+            return False
+        counts, total = self.touch(delta.name, tuple(delta.labels))
+        for index, count in enumerate(delta.counts):
+            counts[index] += count
+        total[0] += delta.sum
+        return True
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        for name, (documentation, labelnames) in FED_HISTOGRAMS.items():
+            family = HistogramMetricFamily(name, documentation, labels=labelnames)
+            bounds = [*BUCKETS[name], math.inf]
+            for labels, (counts, total) in sorted(self._series[name].items()):
+                cumulative = itertools.accumulate(counts)
+                buckets = [(floatToGoString(bound), value) for bound, value in zip(bounds, cumulative, strict=True)]
+                family.add_metric(list(labels), buckets, total[0])
+            yield family
 
 
 class _StateCollector(Collector):
@@ -211,6 +346,7 @@ class _StateCollector(Collector):
 
     def __init__(self, node: MetricsView) -> None:
         self._node = node
+        self._processes = _WorkerProcesses()
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
@@ -218,6 +354,13 @@ class _StateCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         node = self._node
         scheduler = node.scheduler
+        build = GaugeMetricFamily(
+            "replicator_build_info",
+            "Always 1: the replicator version, the Python version and the event loop the coordinator runs on",
+            labels=["version", "python", "event_loop"],
+        )
+        build.add_metric([VERSION, platform.python_version(), type(node.loop).__module__.split(".")[0]], 1.0)
+        yield build
         yield _counter(
             "replicator_setup_requests",
             "Subscription setup requests (node-update events)",
@@ -241,12 +384,15 @@ class _StateCollector(Collector):
             if handle.alive:
                 rss.add_metric([str(slot)], handle.rss_bytes)
         yield rss
+        yield from self._processes.collect(node.supervisor.workers)
+        yield _certificate_expiry(node)
         connected = GaugeMetricFamily(
             "replicator_peer_connected", "1 when the pair's session is connected", labels=["peer", "database"]
         )
         lag = GaugeMetricFamily(
             "replicator_replication_lag_seconds",
-            "Age of the newest applied record while behind the peer; 0 when caught up",
+            "Age of the newest applied record while behind the peer; 0 when caught up; absent until the pair's"
+            " first batch",
             labels=["database", "peer"],
         )
         divergent = GaugeMetricFamily(
@@ -266,7 +412,8 @@ class _StateCollector(Collector):
                 copying = pair.copy(now)
                 remaining.add_metric([entry.peer, database], copying["remaining"] if copying else 0.0)
                 connected.add_metric([entry.peer, database], 1.0 if pair.connected else 0.0)
-                lag.add_metric([database, entry.peer], pair.lag_seconds)
+                if pair.progressed:  # a pair that never received a batch has no lag to report, not 0
+                    lag.add_metric([database, entry.peer], pair.lag_seconds)
                 completed = node.antientropy.last_completed(entry.key, database)
                 if completed is not None:
                     divergent.add_metric([entry.peer, database], completed.divergent_buckets)
@@ -295,6 +442,88 @@ class _StateCollector(Collector):
         )
         recovering.add_metric([], len(node.recovering))
         yield recovering
+
+
+class _WorkerProcesses:
+    """CPU time, open files and resident memory of each worker process, read with psutil at scrape time by the pid
+    the supervisor knows. A process that just exited has no gauges. A slot's CPU counter goes on from what its
+    previous processes used (as last read), so it never goes backwards when a worker is replaced; what a process
+    used after the last scrape before it exited is not counted."""
+
+    def __init__(self) -> None:
+        self._process: dict[int, psutil.Process] = {}  # slot -> its process as last read
+        self._cpu_before: dict[int, float] = {}  # slot -> CPU seconds of its earlier processes
+        self._cpu_last: dict[int, float] = {}  # slot -> CPU seconds of its current process, as last read
+
+    def collect(self, workers: Mapping[int, WorkerHandle]) -> Iterator[Metric]:
+        cpu = CounterMetricFamily(
+            "replicator_worker_cpu_seconds",
+            "CPU time (user and system) of each worker slot's processes",
+            labels=["worker"],
+        )
+        fds = GaugeMetricFamily("replicator_worker_open_fds", "Open file descriptors of each worker", labels=["worker"])
+        resident = GaugeMetricFamily(
+            "replicator_worker_resident_bytes", "Resident memory of each worker, read at scrape time", labels=["worker"]
+        )
+        for slot, handle in sorted(workers.items()):
+            reading = self._read(slot, handle.pid if handle.alive else 0)
+            if reading is not None:
+                fds.add_metric([str(slot)], reading[0])
+                resident.add_metric([str(slot)], reading[1])
+            if slot in self._cpu_last or slot in self._cpu_before:
+                cpu.add_metric([str(slot)], self._cpu_before.get(slot, 0.0) + self._cpu_last.get(slot, 0.0))
+        yield cpu
+        yield fds
+        yield resident
+
+    def _read(self, slot: int, pid: int) -> tuple[int, int] | None:
+        """(open fds, resident bytes) of the slot's process, its CPU noted; None when there is none to read."""
+        if pid <= 0:
+            return None
+        process = self._process.get(slot)
+        if process is None or process.pid != pid:
+            if process is not None:  # the slot's process was replaced: what the old one used stays counted
+                del self._process[slot]
+                self._cpu_before[slot] = self._cpu_before.get(slot, 0.0) + self._cpu_last.pop(slot, 0.0)
+            try:
+                process = self._process[slot] = psutil.Process(pid)
+            except psutil.Error:
+                return None
+        try:
+            with process.oneshot():
+                times = process.cpu_times()
+                fds = process.num_fds()
+                rss = process.memory_info().rss
+        except psutil.Error:  # exited (or a zombie) since the supervisor last heard of it
+            return None
+        self._cpu_last[slot] = times.user + times.system
+        return fds, rss
+
+
+def _certificate_expiry(node: MetricsView) -> GaugeMetricFamily:
+    """When the node's certificate and the CA that issued it stop being valid, read from the files in `tls` at each
+    scrape (workers load them when they start). A file that cannot be read has no series."""
+    family = GaugeMetricFamily(
+        "replicator_certificate_expiry_timestamp_seconds",
+        "When the certificate stops being valid (not after), seconds since the epoch: the node's own (tls.cert) and"
+        " the CA of tls.ca that issued it",
+        labels=["certificate"],
+    )
+    config = node.config
+    try:
+        chain = certificate_chain(config_module.resolve_path(config, config.tls.cert))
+    except TlsConfigError:
+        return family
+    family.add_metric(["node"], chain[0].not_valid_after_utc.timestamp())
+    try:
+        cas = ca_certificates(config_module.resolve_path(config, config.tls.ca))
+    except TlsConfigError:
+        return family
+    # A CA re-issued with the same key (a renewal) signs the same certificates: the one valid longest counts.
+    issuers = [ca for ca in cas if any(issued_by_any(cert, [ca]) for cert in chain)]
+    if issuers:
+        family.add_metric(["ca"], max(ca.not_valid_after_utc.timestamp() for ca in issuers))
+    return family
 
 
 def _counter(name: str, documentation: str, value: float) -> CounterMetricFamily:

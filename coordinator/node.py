@@ -29,10 +29,11 @@ from coordinator.antientropy import AntiEntropy
 from coordinator.blob_repairs import BlobRepairs
 from coordinator.drops import Drops
 from coordinator.metrics import Metrics
+from coordinator.reachability import unreachable_from_peers
 from coordinator.registry import SYSTEM, NodeView
 from coordinator.replication_map import Entry, PairState, ReplicationMap, StallWatch, should_fire_stall_kick
 from coordinator.routing import Router
-from coordinator.sd_notify import Notifier
+from coordinator.sd_notify import Notifier, status_text
 from coordinator.setup_scheduler import SetupScheduler
 from coordinator.supervisor import PauseMonitor, Supervisor, WorkerHandle
 from shared import config as config_module
@@ -177,6 +178,7 @@ class Node:
         ):
             self.loop.add_signal_handler(sig, action)
         self._tasks.append(self.loop.create_task(self._await_ready(), name="await ready"))
+        self._tasks.append(self.loop.create_task(self.notifier.status_loop(self.status_text), name="sd status"))
         await self._stop.wait()
         await self._shutdown()
         # Drained: a second SIGTERM between here and the exit must not turn a clean stop into a kill.
@@ -248,6 +250,8 @@ class Node:
             raise BootError(
                 f"cannot listen on the admin port {listen.admin_host}:{listen.admin_port}: {exc.strerror}"
             ) from None
+        if unreachable_from_peers(config.listen.host, config.node.url) is not None:
+            log.warning("listen_unreachable", listen_host=config.listen.host, url=config.node.url)
         log.info(
             "node_starting",
             node=self.name,
@@ -273,7 +277,7 @@ class Node:
             self.request_stop()
             return
         log.info("node_ready", node=self.name, workers=len(self.supervisor.live()))
-        self.notifier.notify("READY=1", f"STATUS=replicating with {len(self.supervisor.live())} workers")
+        self.notifier.status(self.status_text(), "READY=1")
         self._tasks.append(self.loop.create_task(self._registry_loop(), name="registry watcher"))
         self._tasks.append(self.loop.create_task(self._reconcile_loop(), name="reconcile"))
         self._tasks.append(self.loop.create_task(self.notifier.watchdog_loop(), name="watchdog"))
@@ -281,6 +285,17 @@ class Node:
         self.antientropy.start()
         self.drops.start()
         self.pauses.start()
+
+    def status_text(self) -> str:
+        """systemd's STATUS= line: workers ready of those wanted, pairs connected of those wanted."""
+        pairs = [pair for entry in self.map for pair in entry.pairs.values()]
+        return status_text(
+            ready=self._ready.is_set(),
+            workers_ready=len(self.supervisor.live()),
+            workers=self.config.worker_count,
+            pairs_connected=sum(1 for pair in pairs if pair.connected),
+            pairs=len(pairs),
+        )
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -678,6 +693,8 @@ class Node:
         if not self.supervisor.send(entry.worker, message):
             log.warning("subscription_setup_undelivered", peer=entry.peer, database=database, worker=entry.worker)
             return
+        if not pair.connected:
+            pair.setup_started = pair.dispatched_at
         log.info("subscription_setup_dispatched", peer=entry.peer, database=database, worker=entry.worker)
 
     # -- worker reports -------------------------------------------------------------------------------------------
@@ -688,8 +705,9 @@ class Node:
             return
         now = self.loop.time()
         match message:
-            case messages.Heartbeat(counters=counters):
+            case messages.Heartbeat(counters=counters, histograms=histograms):
                 self.metrics.apply(counters)
+                self.metrics.apply_histograms(histograms)
             case messages.Ready():
                 self.worker_ready.set()
                 if self.supervisor.all_ready():
@@ -744,6 +762,9 @@ class Node:
         pair.worker = worker
         pair.session = session
         pair.connected_at = now
+        if pair.setup_started is not None:
+            self.metrics.setup_connected(entry.peer, now - pair.setup_started)
+            pair.setup_started = None
         pair.last_progress_at = now
         pair.peer_head_seq = head
         pair.reconnect_attempts = 0
@@ -794,6 +815,7 @@ class Node:
         pair.last_received_seq = message.last_received_seq
         pair.peer_head_seq = message.peer_head_seq
         pair.lag_seconds = message.lag_seconds
+        pair.progressed = pair.progressed or message.caught_up or message.received > 0
         pair.applied = message.applied
         pair.caught_up = message.caught_up
         pair.backlog = message.backlog
@@ -1091,7 +1113,7 @@ class Node:
         self.antientropy.reconfigure()
         for handle in self.supervisor.workers.values():
             self.supervisor.send(handle.slot, messages.Reconfigure(config=config_module.encode(new)))
-        log.info("config_reloaded", peers=len(new.peers), workers=new.worker_count)
+        log.info("config_reloaded", peers=[peer.name for peer in new.peers], workers=new.worker_count)
         if new.worker_count != old.worker_count:
             await self.scale(new.worker_count)
         self.poke_registry()

@@ -36,12 +36,15 @@ class PairState:
     session: int | None = None
     accepted_by: int | None = None  # the worker that accepted the latest dispatched subscribe
     dispatched_at: float | None = None  # when the latest subscribe went to a worker
+    # When a subscribe went to a worker while the pair was not connected: its connect is timed from there.
+    setup_started: float | None = None
     connected_at: float | None = None
     disconnected_at: float | None = None
     last_progress_at: float | None = None
     last_received_seq: int = 0
     peer_head_seq: int = 0
     lag_seconds: float = 0.0
+    progressed: bool = False  # a session reported a batch received: lag_seconds is a measurement from then on
     applied: int = 0
     caught_up: bool = False  # the peer's last batch said it had nothing more to serve
     # The session's copy: what the sender had to serve when it started, what arrived since, and when it started.

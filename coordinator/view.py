@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import asyncio
 
+    from prometheus_client import CollectorRegistry
+
     from coordinator.antientropy import AntiEntropy
     from coordinator.blob_repairs import BlobRepairs
     from coordinator.drops import Drops
@@ -59,6 +61,11 @@ class MetricsView(Protocol):
 
 
 class RendersMetrics(Protocol):
+    @property
+    def registry(self) -> CollectorRegistry: ...
+
+    def prepare(self) -> None: ...
+
     def render(self) -> bytes: ...
 
 

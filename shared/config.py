@@ -1,7 +1,8 @@
 """Node configuration: a TOML file decoded into msgspec Structs, with `REPLICATOR_<SECTION>_<KEY>` overrides.
 
-Unknown keys are errors. Every error names the file, the key and what is wrong; the CLI turns a `ConfigError` into
-exit code 2.
+Unknown keys are errors, and so is a `REPLICATOR_*` variable that names no key (a misspelt override would otherwise
+be ignored without a word), except the few in NOT_CONFIG_VARIABLES. Every error names the file (or the variable),
+the key and what is wrong; the CLI turns a `ConfigError` into exit code 2.
 """
 
 from __future__ import annotations
@@ -18,9 +19,20 @@ from typing import Any, Literal
 
 import msgspec
 
+from shared.logs import level_name
+
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
 DATABASE_PATTERN_RE = re.compile(r"^(\*|[A-Za-z0-9_-]{1,64})$")
 ENV_PREFIX = "REPLICATOR_"
+# REPLICATOR_* variables that are not config overrides, so not errors: read by the CLI and the test suite.
+NOT_CONFIG_VARIABLES = frozenset(
+    {
+        "REPLICATOR_ADMIN",  # the CLI's default admin URL (status, verify, ...)
+        "REPLICATOR_STRESS",  # tests: run the long chaos and soak runs
+        "REPLICATOR_STRESS_SECONDS",  # tests: how long they run
+        "REPLICATOR_CHAOS_SEED",  # tests: replay a chaos run
+    }
+)
 
 
 class ConfigError(Exception):
@@ -31,7 +43,7 @@ class NodeSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     name: str
     url: str
     data_dir: str = ""
-    workers: int = 0  # 0: the CPU count
+    workers: int = 0  # 0: the CPUs this process may run on (usable_cpus)
 
 
 class ListenSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -117,7 +129,8 @@ class PeerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class LogSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    level: Literal["debug", "info", "warning", "error"] = "info"
+    # debug, info, warning (or warn), error, in any case; _check stores it as its name in shared.logs.LEVELS.
+    level: str = "info"
     format: Literal["json", "text"] = "json"
     # Identical warnings: the first `sample_burst` per `sample_window` seconds are written, the rest counted.
     sample_window: float = 10.0
@@ -137,7 +150,16 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     @property
     def worker_count(self) -> int:
-        return self.node.workers or (os.cpu_count() or 1)
+        return self.node.workers or usable_cpus()
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask: taskset, systemd's CPUAffinity=, a container's cpuset),
+    not the machine's count: more workers than that would only take turns."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # no sched_getaffinity on this platform
+        return os.cpu_count() or 1
 
 
 _SECTIONS: dict[str, type[msgspec.Struct]] = {
@@ -165,7 +187,8 @@ def load(path: str | os.PathLike[str], env: Mapping[str, str] | None = None) -> 
 
 
 def from_mapping(raw: dict[str, Any], source: str, env: Mapping[str, str] | None = None) -> Config:
-    raw = dict(raw)
+    # Overrides go into copies of the sections: the caller's mapping is left as it was.
+    raw = {key: dict(value) if isinstance(value, dict) else value for key, value in raw.items()}
     if "source" in raw:
         raise ConfigError(f"{source}: unknown key 'source'")
     _apply_env(raw, source, env or {})
@@ -185,7 +208,12 @@ def _apply_env(raw: dict[str, Any], source: str, env: Mapping[str, str]) -> None
         rest = var[len(ENV_PREFIX) :].lower()
         section_name = next((s for s in _SECTIONS if rest.startswith(s + "_")), None)
         if section_name is None:
-            continue
+            if var in NOT_CONFIG_VARIABLES:
+                continue
+            raise ConfigError(
+                f"{var}: names no config key: an override is REPLICATOR_<SECTION>_<KEY> with SECTION one of "
+                f"{', '.join(s.upper() for s in _SECTIONS)} (e.g. REPLICATOR_NODE_WORKERS); unset it"
+            )
         key = rest[len(section_name) + 1 :]
         fields = {f.name: f.type for f in msgspec.structs.fields(_SECTIONS[section_name])}
         if key not in fields:
@@ -253,7 +281,11 @@ def _check(config: Config, source: str) -> None:
         fail("node.name", f"{node.name!r} is not a valid node name (letters, digits, '_' and '-', 1 to 64)")
     _check_url(node.url, "node.url", fail)
     if node.workers < 0 or node.workers > 256:
-        fail("node.workers", f"expected 0 (the CPU count) to 256, got {node.workers}")
+        fail("node.workers", f"expected 0 (the CPUs this process may use) to 256, got {node.workers}")
+    try:
+        config.log.level = level_name(config.log.level)
+    except ValueError as exc:
+        fail("log.level", str(exc))
     for key in ("port", "admin_port"):
         value = getattr(config.listen, key)
         if not 1 <= value <= 65535:

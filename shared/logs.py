@@ -3,23 +3,60 @@
 Identical repeating warnings (same level, event and fields) are sampled: the first `burst` in a window are written,
 the rest are counted, and the count is reported on the next line written for that warning (`suppressed`) or by
 `flush()` as a `log_events_suppressed` event. `on_suppressed(event, n)` feeds the metric.
+
+When stderr is the journal (systemd says so in `JOURNAL_STREAM`), every line starts with its syslog priority,
+`<3>` error, `<4>` warning, `<6>` info, `<7>` debug: journald strips it and files the line at that priority, so
+`journalctl -p warning` works and `journalctl -o cat` still shows plain JSON. Python's `logging` records (a library's,
+or the interpreter's warnings) come through the same stream as `library_log` events (`bridge_logging`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 import traceback
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
     from shared.config import LogSection
 
-LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
+LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}  # the same numbers as the logging module's
+# syslog(3) priorities: LOG_ERR, LOG_WARNING, LOG_INFO, LOG_DEBUG.
+PRIORITIES = {"debug": 7, "info": 6, "warning": 4, "error": 3}
+_LEVEL_ALIASES = {"warn": "warning"}
+
+
+def level_name(text: str) -> str:
+    """A level as an operator writes it, in any case and with `warn` for `warning`, as its name in LEVELS."""
+    name = text.strip().lower()
+    name = _LEVEL_ALIASES.get(name, name)
+    if name not in LEVELS:
+        raise ValueError(f"expected one of debug, info, warning (or warn), error; got {text[:40]!r}")
+    return name
+
+
+def is_journal(fd: int, env: Mapping[str, str] | None = None) -> bool:
+    """Whether `fd` is connected to the journal: systemd sets JOURNAL_STREAM to the "DEVICE:INODE" of the stream it
+    connected, and a process whose stderr was redirected since (a pipe, a file) must not take it for the journal."""
+    value = (os.environ if env is None else env).get("JOURNAL_STREAM", "")
+    device, sep, inode = value.partition(":")
+    if not (sep and device.isdigit() and inode.isdigit()):
+        return False
+    try:
+        stat = os.fstat(fd)
+    except OSError:
+        return False
+    return (stat.st_dev, stat.st_ino) == (int(device), int(inode))
+
+
+def priority_prefix(level: str, fd: int) -> str:
+    """`<N>` for a line of `level` written to `fd` when that is the journal, else nothing."""
+    return f"<{PRIORITIES[level]}>" if is_journal(fd) else ""
 
 
 class _Sample:
@@ -44,10 +81,11 @@ class EventLog:
         burst: int = 5,
         max_keys: int = 1024,
         on_suppressed: Callable[[str, int], None] | None = None,
+        journal: bool | None = None,
     ) -> None:
         self._stream = stream
         self.fmt = fmt
-        self.threshold = LEVELS[level]
+        self.threshold = LEVELS[level_name(level)]
         self._clock = clock
         self._wall = wall
         self._window = window
@@ -56,6 +94,9 @@ class EventLog:
         self._samples: OrderedDict[str, _Sample] = OrderedDict()
         self.on_suppressed = on_suppressed
         self.base: dict[str, Any] = {}
+        # Whether lines carry the syslog priority; None: whether the stream is the journal (found out once per stream).
+        self.journal = journal
+        self._journal_seen: tuple[int, bool] | None = None
 
     @property
     def stream(self) -> TextIO:
@@ -73,7 +114,7 @@ class EventLog:
         if fmt is not None:
             self.fmt = fmt
         if level is not None:
-            self.threshold = LEVELS[level]
+            self.threshold = LEVELS[level_name(level)]
         if window is not None:
             self._window = window
         if burst is not None:
@@ -81,7 +122,8 @@ class EventLog:
         self.base.update(base)
 
     def configure_from(self, settings: LogSection, **base: Any) -> None:
-        """Apply a config's [log] section."""
+        """Apply a config's [log] section. `base`: the fields of every line of this process, `node` and `proc`
+        ("coordinator" or "worker") and, on a worker, `worker` (its slot, an integer)."""
         self.configure(
             fmt=settings.format,
             level=settings.level,
@@ -160,18 +202,38 @@ class EventLog:
         else:
             record = {"ts": round(ts, 6), "level": level, "event": event, **self.base, **fields}
             line = json.dumps(record, default=str, separators=(",", ":"))
+        self.plain(level, line)
+
+    def plain(self, level: str, text: str) -> None:
+        """Write one line as it is (a CLI's error message, a formatted event), with the priority when the stream
+        is the journal."""
+        stream = self.stream
+        journal = self.journal
+        if journal is None:
+            if self._journal_seen is None or self._journal_seen[0] != id(stream):
+                self._journal_seen = (id(stream), _stream_is_journal(stream))
+            journal = self._journal_seen[1]
         try:
-            self.stream.write(line + "\n")
-            self.stream.flush()
+            prefix = f"<{PRIORITIES[level]}>" if journal else ""
+            stream.write(prefix + text + "\n")
+            stream.flush()
         except (OSError, ValueError):
             pass  # stderr is gone (closed terminal, shut down journal): logging must never take the process down
+
+
+def _stream_is_journal(stream: TextIO) -> bool:
+    try:
+        return is_journal(stream.fileno())
+    except (OSError, ValueError):
+        return False  # no descriptor: a StringIO, a closed stream
 
 
 def _text(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.3f}"
     text = str(value)
-    return json.dumps(text) if (" " in text or not text) else text
+    # Quoted when it has a space, or a line break that would start a line of its own (without the priority).
+    return json.dumps(text) if (not text or any(ch.isspace() for ch in text)) else text
 
 
 def where(exc: BaseException) -> str:
@@ -184,15 +246,18 @@ def where(exc: BaseException) -> str:
 
 
 class LibraryLogHandler(logging.Handler):
-    """Writes a library's `logging` records (aiohttp's, asyncio's) as one sampled `library_log` warning each.
+    """Writes `logging` records (aiohttp's, asyncio's, the interpreter's warnings) as one `library_log` event each.
 
     Left alone, they reach stderr through logging's last-resort handler as text with a multi-line traceback: a
-    client could fill the JSON log with them, unsampled. Here a record keeps its logger, its message and the
-    exception's type, text and place, on one line; identical ones are sampled like every warning.
+    client could fill the JSON log with them, unsampled, and the journal would file them without a priority. Here
+    a record keeps its logger, its level (`library_level`), its message and the exception's type, text and place,
+    on one line. A record at WARNING or above is a warning, sampled by logger and exception: a library's ERROR is
+    about a request it refused or a callback it caught, which any client can cause, not about the node's health
+    (the node's own errors are its own events). INFO is info, below that debug.
     """
 
-    def __init__(self, events: EventLog) -> None:
-        super().__init__(logging.WARNING)
+    def __init__(self, events: EventLog, level: int = logging.WARNING) -> None:
+        super().__init__(level)
         self._events = events
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -204,19 +269,40 @@ class LibraryLogHandler(logging.Handler):
                 fields["error_type"] = type(exc).__name__
                 fields["error"] = " ".join(str(exc).split())[:300]
                 fields["where"] = where(exc)
-            self._events.warning("library_log", sample_by=("logger", "error_type", "where"), **fields)
+            if record.levelno >= logging.WARNING:
+                self._events.warning("library_log", sample_by=("logger", "error_type", "where"), **fields)
+            else:
+                self._events.emit("info" if record.levelno >= logging.INFO else "debug", "library_log", fields)
         except Exception:
             pass  # logging.Handler.handleError would print a traceback to stderr: the very thing avoided here
 
 
 def capture_library_logs(events: EventLog, *names: str) -> None:
-    """Route the named loggers (and their children) to `events` only; idempotent."""
+    """Route the named loggers (and their children) to `events` only, at WARNING and above; idempotent."""
     for name in names:
         logger = logging.getLogger(name)
         if not any(isinstance(handler, LibraryLogHandler) for handler in logger.handlers):
             logger.addHandler(LibraryLogHandler(events))
         logger.setLevel(logging.WARNING)
         logger.propagate = False
+
+
+# Chatty below WARNING, and reachable by any client (aiohttp logs what a bad request did): capped at WARNING
+# whatever log.level says.
+NOISY_LOGGERS = ("aiohttp", "asyncio")
+
+
+def bridge_logging(events: EventLog) -> None:
+    """Send every record of Python's `logging` module in this process through `events`, as JSON lines: the root
+    logger's handler, at the event log's level (`NOISY_LOGGERS` at WARNING), and the interpreter's warnings
+    (`warnings.warn`) with it. Each process (the coordinator, every worker) calls it once it knows its config;
+    idempotent."""
+    root = logging.getLogger()
+    if not any(isinstance(handler, LibraryLogHandler) for handler in root.handlers):
+        root.addHandler(LibraryLogHandler(events, logging.NOTSET))
+    root.setLevel(events.threshold)
+    capture_library_logs(events, *NOISY_LOGGERS)
+    logging.captureWarnings(True)
 
 
 log = EventLog()

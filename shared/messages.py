@@ -129,10 +129,18 @@ class CounterDelta(msgspec.Struct, array_like=True):
     value: float
 
 
+class HistogramDelta(msgspec.Struct, array_like=True):
+    name: str
+    labels: list[str]  # label values, in the metric's label order
+    counts: list[int]  # observations per bucket of shared.histograms.BUCKETS[name], +Inf last; not cumulative
+    sum: float
+
+
 class Heartbeat(msgspec.Struct, tag="heartbeat", kw_only=True):
     worker: int
     rss_bytes: int
     counters: list[CounterDelta] = []  # increments since the previous heartbeat
+    histograms: list[HistogramDelta] = []  # observations since the previous heartbeat
 
 
 class SubscribeAccepted(msgspec.Struct, tag="subscribe_accepted", kw_only=True):

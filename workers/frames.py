@@ -2,7 +2,8 @@
 
 aiohttp's client and server WebSockets share `receive()`, `send_bytes()` and `close()`; this module turns what
 they report into the protocol's exceptions, split by cause: the peer closed or broke the link (`PeerClosed`), the
-peer sent something we do not accept (`MalformedFrame`, `ProtocolViolation`).
+peer sent something we do not accept (`MalformedFrame`, `ProtocolViolation`). A `Metered` socket counts the bytes
+of the frames that pass, per peer, for `replicator_bytes_sent_total` and `replicator_bytes_received_total`.
 """
 
 from __future__ import annotations
@@ -13,8 +14,35 @@ from typing import Any, TypeVar
 from aiohttp import WSMsgType
 
 from shared import wire
+from workers.counters import Counters
 
 T = TypeVar("T")
+BYTES_SENT = "replicator_bytes_sent_total"
+BYTES_RECEIVED = "replicator_bytes_received_total"
+
+
+class Metered:
+    """A session's WebSocket whose replication frames are counted as they pass: the bytes of each binary frame's
+    payload (WebSocket and TLS framing not included), as increments of the peer's byte counters. Everything else is
+    the socket's own."""
+
+    def __init__(self, ws: Any, counters: Counters, peer: str) -> None:
+        self._ws = ws
+        self._counters = counters
+        self._peer = peer
+
+    async def receive(self) -> Any:
+        msg = await self._ws.receive()
+        if msg.type == WSMsgType.BINARY:
+            self._counters.inc(BYTES_RECEIVED, self._peer, value=len(msg.data))
+        return msg
+
+    async def send_bytes(self, data: bytes) -> None:
+        await self._ws.send_bytes(data)
+        self._counters.inc(BYTES_SENT, self._peer, value=len(data))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._ws, name)
 
 
 async def receive(ws: Any, timeout: float | None = None) -> wire.Message:

@@ -26,7 +26,7 @@ import psutil
 from shared import config as config_module
 from shared import messages, revocation
 from shared.keys import pair_key
-from shared.logs import log
+from shared.logs import bridge_logging, log
 from shared.store import Store
 from shared.tls import TlsConfigError, client_context, server_context
 from workers import antientropy, blob_repair, blobs
@@ -54,7 +54,8 @@ def worker_entry(worker_id: int, config_bytes: bytes, conn: Connection) -> None:
     # Ctrl-C in a terminal reaches the whole process group; the coordinator drains the workers itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = config_module.decode(config_bytes)
-    log.configure_from(config.log, node=config.node.name, worker=worker_id)
+    log.configure_from(config.log, node=config.node.name, proc="worker", worker=worker_id)
+    bridge_logging(log)
     fd = os.dup(conn.fileno())
     conn.close()
     worker = Worker(worker_id, config, fd)
@@ -431,6 +432,7 @@ class Worker:
                     worker=self.worker_id,
                     rss_bytes=self._process.memory_info().rss,
                     counters=self.ctx.counters.drain(),
+                    histograms=self.ctx.counters.drain_histograms(),
                 )
             )
             await asyncio.sleep(HEARTBEAT_INTERVAL)
@@ -483,6 +485,7 @@ class Worker:
                         worker=self.worker_id,
                         rss_bytes=self._process.memory_info().rss,
                         counters=self.ctx.counters.drain(),
+                        histograms=self.ctx.counters.drain_histograms(),
                     )
                 )
             self.ctx.store.close()

@@ -32,7 +32,7 @@ BACKLOG_COUNT_CAP = 5_000_000  # a session's backlog is counted up to this many 
 class Sender:
     def __init__(self, ctx: WorkerContext, ws: Any, peer: str) -> None:
         self._ctx = ctx
-        self._ws = ws
+        self._ws = frames.Metered(ws, ctx.counters, peer)
         self._peer = peer
         self._settings = ctx.config.replication
         self._frame_budget = self._settings.max_frame_bytes // 2

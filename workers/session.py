@@ -24,6 +24,7 @@ import aiohttp
 
 from shared import messages, revocation, wire
 from shared.backoff import Backoff
+from shared.histograms import BATCH_APPLY_SECONDS
 from shared.hlc import physical_seconds
 from shared.logs import log
 from shared.store import BadName, BadRecord
@@ -298,7 +299,7 @@ class PeerSession:
                 await frames.close(outcome, self._close_code(), "unsubscribed during the handshake")
             raise
         try:
-            await self._stream(ws, session)
+            await self._stream(frames.Metered(ws, self._ctx.counters, self.peer), session)
         finally:
             await frames.close(ws, self._close_code(), self.last_error or "session ended")
 
@@ -442,7 +443,10 @@ class PeerSession:
                 entries = refuse_registry_rows(ctx, self.peer, entries)
             # The durability watermark: the batch and its marks wait until every blob it refers to is safe here.
             await blobs.ensure(ctx, self._http, self.database, self.sub.url, self.peer, entries)
+            started = self._loop.time()
             applied = await self._commit(db, entries, message.marks)
+            if entries:  # not the empty batch that only says caught up
+                ctx.counters.observe(BATCH_APPLY_SECONDS, self._loop.time() - started, self.database)
             if not batches:
                 self._backoff.reset()
             batches += 1

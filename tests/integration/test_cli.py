@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import signal
 import socket
@@ -9,12 +11,14 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from coordinator.local_cluster import free_ports
+from coordinator.local_cluster import LocalCluster, free_ports
 from shared.tls import create_ca
+from tests.integration.conftest import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -148,6 +152,7 @@ def test_init_then_run_serves_until_sigterm(node_config: Path) -> None:
         _, errors = process.communicate(timeout=15)
         assert process.returncode == 0
         assert "node_stopped" in errors
+        assert "listen_unreachable" not in errors  # loopback URL, loopback listen address
     finally:
         if process.poll() is None:
             process.kill()
@@ -164,3 +169,95 @@ def test_certs_node_names_bad_arguments(tmp_path: Path) -> None:
     create_ca(tmp_path / "ca")
     result = replicator("certs", "node", "--ca", str(tmp_path / "ca"), "--name", "bad name!", "--out", str(tmp_path))
     assert result.returncode == 2 and "--name" in result.stderr
+
+
+def test_a_loopback_listen_address_with_a_remote_url_warns_at_init_and_at_boot(tmp_path: Path) -> None:
+    port, admin_port = free_ports(2)
+    create_ca(tmp_path / "ca")
+    config = tmp_path / "node" / "far.toml"
+    result = replicator(
+        "init",
+        *("--name", "far", "--url", f"wss://10.0.0.1:{port}", "--host", "127.0.0.1"),
+        *("--port", str(port), "--admin-port", str(admin_port), "--workers", "1"),
+        *("--data", str(tmp_path / "data"), "--ca", str(tmp_path / "ca"), "--config", str(config)),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "warning: listen.host 127.0.0.1 is loopback but peers dial 10.0.0.1" in result.stderr
+
+    process = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "run", "--config", str(config)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/healthz", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            assert process.poll() is None, "node exited before its admin port answered"
+            assert time.monotonic() < deadline, "admin port not answering in 60 s"
+            time.sleep(0.1)
+        process.send_signal(signal.SIGTERM)
+        _, errors = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate()
+    events = [json.loads(line) for line in errors.splitlines() if line.startswith("{")]
+    warnings = [e for e in events if e["event"] == "listen_unreachable"]
+    assert len(warnings) == 1, errors[-3000:]
+    assert warnings[0]["level"] == "warning"
+    assert (warnings[0]["listen_host"], warnings[0]["url"]) == ("127.0.0.1", f"wss://10.0.0.1:{port}")
+
+
+async def _pairs_with(cluster: LocalCluster, name: str, peer: str) -> list[dict]:
+    status, body = await cluster.admin(name, "/status")
+    if status != 200:
+        return []
+    return [d for c in body["connections"] if c["peer"] == peer for d in c["databases"]]
+
+
+async def test_status_check_and_verify_json_for_scripts(make_cluster: Callable[..., LocalCluster]) -> None:
+    cluster = make_cluster(["a", "b"], workers=1)
+    a, b = cluster["a"].admin_url, cluster["b"].admin_url
+    try:
+        cluster["a"].start()
+        await cluster.wait_ready(["a"])
+        await wait_for(lambda: _pairs_with(cluster, "a", "b"), 30, "a's pairs with b in /status")
+
+        # b is configured but not started: its pairs are down, and the admin URL comes from REPLICATOR_ADMIN.
+        result = await asyncio.to_thread(replicator, "status", "--check", env={"REPLICATOR_ADMIN": a})
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert "replicator status: pair b/system is not connected" in result.stderr
+        assert result.stdout.startswith("FAILED: node a, workers ready 1/1")
+
+        cluster["b"].start()
+        await cluster.wait_ready()
+        await cluster.wait_connected()
+        result = await asyncio.to_thread(replicator, "status", "--check", "--admin", a)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert result.stderr == ""
+        assert result.stdout.startswith("ok: node a, workers ready 1/1, pairs connected")
+
+        result = await asyncio.to_thread(replicator, "verify", "--json", env={"REPLICATOR_ADMIN": f"{a},{b}"})
+        assert result.returncode == 0, result.stdout + result.stderr
+        document = json.loads(result.stdout)
+        assert document["identical"] is True and document["nodes"] == ["a", "b"] and document["differences"] == []
+        assert document["databases"] >= 1
+
+        # A node that cannot be reached: exit 1, and still one JSON object naming the error.
+        await asyncio.to_thread(cluster["b"].stop)
+        result = await asyncio.to_thread(replicator, "verify", "--json", "--admin", a, "--admin", b)
+        assert result.returncode == 1
+        document = json.loads(result.stdout)
+        assert document["identical"] is False and document["error"]
+        result = await asyncio.to_thread(replicator, "status", "--check", "--admin", b)
+        assert result.returncode == 1 and "cannot reach" in result.stderr
+    finally:
+        await cluster.close()

@@ -1,8 +1,11 @@
-"""The operator's kit in ops/, checked with the field's own tools; nothing is started.
+"""The operator's kit in ops/, checked with the field's own tools; nothing is started but one live scrape.
 
-- systemd units: `systemd-analyze verify` (Debian package systemd), plus the numbers the node's behaviour dictates.
+- systemd units: `systemd-analyze verify` and `systemd-analyze security` (Debian package systemd), plus the numbers
+  the node's behaviour dictates; the reload step run as systemd would run it; the sysusers file through
+  `systemd-sysusers` into a scratch root.
 - Prometheus: `promtool check config` / `check rules` (package prometheus), `promtool test rules` to show that each
-  alert fires on its failure and stays quiet on a healthy series, and the dashboard's queries parsed by promtool.
+  alert fires on its failure and stays quiet on a healthy series, and the dashboard's queries parsed by promtool;
+  `promtool check metrics` on a running node's /metrics.
 - Every metric and label that alerts.yml and the dashboard reference is one the node exports (CONTRACT.md).
 - Every alert has its runbook section.
 
@@ -15,7 +18,9 @@ import ast
 import json
 import os
 import re
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Set
@@ -24,13 +29,26 @@ from typing import Any
 
 import pytest
 
+from coordinator.certs_cmd import cmd_init
 from coordinator.node import BOOT_TIMEOUT
 from shared.config import ReplicationSection
+from shared.tls import create_ca
+from tests.integration.conftest import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 OPS = ROOT / "ops"
 UNITS = {"replicator.service": "replicator.service", "replicator@.service": "replicator@a.service"}
-INSTANCE_DIRECTIVES = {"Description", "ExecStart", "StateDirectory", "WorkingDirectory", "ReadWritePaths"}
+INSTANCE_DIRECTIVES = {
+    "Description",
+    "ExecStart",
+    "ExecReload",
+    "EnvironmentFile",
+    "StateDirectory",
+    "WorkingDirectory",
+    "ReadWritePaths",
+}
+# `systemd-analyze security` of the units when the check was added: sandboxing may only get tighter.
+MAX_EXPOSURE = 1.5
 
 # CONTRACT.md, "Metrics (minimum set; names and labels fixed)", plus the data API's write counter.
 EXPORTED: dict[str, frozenset[str]] = {
@@ -70,10 +88,33 @@ EXPORTED: dict[str, frozenset[str]] = {
     "replicator_commit_retries_total": frozenset({"database"}),
     # Issue 10: blobs applied without their file.
     "replicator_blobs_missing_total": frozenset({"database"}),
+    # Issue 11: build, traffic, commit and setup times, worker processes, certificates.
+    "replicator_build_info": frozenset({"version", "python", "event_loop"}),
+    "replicator_bytes_sent_total": frozenset({"peer"}),
+    "replicator_bytes_received_total": frozenset({"peer"}),
+    "replicator_batch_apply_seconds_bucket": frozenset({"database", "le"}),
+    "replicator_batch_apply_seconds_sum": frozenset({"database"}),
+    "replicator_batch_apply_seconds_count": frozenset({"database"}),
+    "replicator_setup_to_connected_seconds_bucket": frozenset({"peer", "le"}),
+    "replicator_setup_to_connected_seconds_sum": frozenset({"peer"}),
+    "replicator_setup_to_connected_seconds_count": frozenset({"peer"}),
+    "replicator_worker_cpu_seconds_total": frozenset({"worker"}),
+    "replicator_worker_open_fds": frozenset({"worker"}),
+    "replicator_worker_resident_bytes": frozenset({"worker"}),
+    "replicator_certificate_expiry_timestamp_seconds": frozenset({"certificate"}),
 }
 # Labels Prometheus attaches to every series of a target (prometheus.yml gives each target its `node`).
 TARGET_LABELS = frozenset({"job", "instance", "node"})
 PROMETHEUS_SERIES = {"up": frozenset()}
+# The coordinator's own process (prometheus-client's ProcessCollector, which coordinator/metrics.py registers).
+PROCESS_SERIES = {
+    "process_cpu_seconds_total": frozenset(),
+    "process_open_fds": frozenset(),
+    "process_max_fds": frozenset(),
+    "process_resident_memory_bytes": frozenset(),
+}
+# Suffixes of the series of a counter or a histogram family.
+SERIES_SUFFIXES = ("_total", "_bucket", "_sum", "_count")
 # CONTRACT.md, "Log events": the fixed names the runbook must explain.
 LOG_EVENTS = [
     "subscription_setup_armed",
@@ -209,7 +250,18 @@ def test_unit_encodes_the_node_contract(name: str) -> None:
     assert one("Service", "KillMode") == "mixed"
     assert one("Service", "Restart") == "on-failure"
     assert {"2", "3"} <= set(one("Service", "RestartPreventExitStatus").split())
-    assert one("Service", "ExecReload") == "/bin/kill -HUP $MAINPID"
+    config = "/etc/replicator/%i.toml" if name == "replicator@.service" else "/etc/replicator/replicator.toml"
+    # The file is checked before the SIGHUP, so a bad one fails `systemctl reload` instead of the node's reload.
+    assert d[("Service", "ExecReload")] == [
+        f"/usr/local/bin/replicator check-config --config {config}",
+        "/bin/kill -HUP $MAINPID",
+    ]
+    assert one("Service", "SyslogLevelPrefix") == "true"
+    environment = ["-/etc/default/replicator"] + (["-/etc/default/replicator-%i"] if "@" in name else [])
+    assert d[("Service", "EnvironmentFile")] == environment
+    for key in ("After", "Wants"):
+        assert {"network-online.target", "time-sync.target"} <= set(one("Unit", key).split()), key
+    assert one("Unit", "Documentation").startswith(("file:/", "https://", "man:"))
     assert one("Service", "User") == one("Service", "Group") == "replicator"
     assert ("Service", "DynamicUser") not in d
     assert seconds(one("Service", "TimeoutStopSec")) >= ReplicationSection().shutdown_timeout + 5
@@ -245,7 +297,118 @@ def test_template_differs_from_the_single_unit_only_by_instance() -> None:
     differ = {key for key in single.keys() | template.keys() if single.get(key) != template.get(key)}
     assert {key for _, key in differ} <= INSTANCE_DIRECTIVES, sorted(differ)
     for key in differ:
-        assert all("%i" in value for value in template.get(key, [])), key
+        # Where they differ, the template says %i; what it says without %i, the single unit says too.
+        values = template.get(key, [])
+        assert any("%i" in value for value in values), key
+        assert [value for value in values if "%i" not in value] == [
+            value for value in single.get(key, []) if value in values
+        ], key
+
+
+def exposure(analyze: str, directory: Path, unit: str) -> float:
+    """`systemd-analyze security --offline=true` of a unit file: its overall exposure level (0 to 10)."""
+    env = {**os.environ, "SYSTEMD_LOG_COLOR": "0", "SYSTEMD_PAGER": "", "SYSTEMD_COLORS": "0", "LC_ALL": "C"}
+    result = run(analyze, "security", "--offline=true", "--no-pager", directory / unit, env=env)
+    match = re.search(r"Overall exposure level for \S+: (\d+(?:\.\d+)?)", result.stdout + result.stderr)
+    assert match, f"systemd-analyze security exited {result.returncode}:\n{result.stdout}{result.stderr}"
+    return float(match.group(1))
+
+
+@pytest.mark.parametrize("name", list(UNITS))
+def test_units_keep_their_security_exposure(tmp_path: Path, name: str) -> None:
+    analyze = tool("systemd-analyze", "systemd")
+    if "--offline" not in run(analyze, "--help").stdout:
+        pytest.skip("this systemd-analyze has no `security --offline` (systemd 250 and later): it would judge the host")
+    binary = Path(sys.executable).parent / "replicator"
+    for file, text in unit_texts().items():
+        (tmp_path / file).write_text(text.replace("/usr/local/bin/replicator", str(binary)))
+    assert exposure(analyze, tmp_path, UNITS[name]) <= MAX_EXPOSURE
+
+
+def test_security_check_catches_a_loosened_sandbox(tmp_path: Path) -> None:
+    analyze = tool("systemd-analyze", "systemd")
+    if "--offline" not in run(analyze, "--help").stdout:
+        pytest.skip("this systemd-analyze has no `security --offline` (systemd 250 and later): it would judge the host")
+    text = unit_texts()["replicator.service"]
+    for directive in ("ProtectSystem=strict", "ProtectHome=yes", "PrivateDevices=yes", "CapabilityBoundingSet="):
+        text = text.replace(f"\n{directive}\n", "\n")
+    (tmp_path / "replicator.service").write_text(text)
+    assert exposure(analyze, tmp_path, "replicator.service") > MAX_EXPOSURE
+
+
+def reload_steps(name: str, config: Path, main_pid: int) -> list[list[str]]:
+    """The unit's ExecReload= command lines as systemd runs them, on this machine's replicator and `config`."""
+    binary = Path(sys.executable).parent / "replicator"
+    steps = []
+    for line in directives((OPS / name).read_text())[("Service", "ExecReload")]:
+        line = line.replace("/usr/local/bin/replicator", str(binary)).replace("$MAINPID", str(main_pid))
+        line = re.sub(r"/etc/replicator/\S+\.toml", str(config), line)
+        steps.append(shlex.split(line))
+    return steps
+
+
+def reload(name: str, config: Path, main_pid: int, env: dict[str, str]) -> subprocess.CompletedProcess[str] | None:
+    """Run the reload steps in order, stopping at the first that fails (as systemd does); that one's result, or
+    None when every step succeeded."""
+    for step in reload_steps(name, config, main_pid):
+        result = run(*step, env={**os.environ, **env})
+        if result.returncode != 0:
+            return result
+    return None
+
+
+@pytest.fixture(scope="module")
+def node_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A config file `replicator init` wrote, with its certificate and key."""
+    folder = tmp_path_factory.mktemp("reload")
+    create_ca(folder / "ca")
+    code = cmd_init(
+        "a", "wss://127.0.0.1:9925", 9925, 9926, str(folder / "data"), str(folder / "ca"), str(folder / "a.toml"), []
+    )
+    assert code == 0
+    return folder / "a.toml"
+
+
+@pytest.mark.parametrize("name", list(UNITS))
+def test_reload_checks_the_file_before_the_sighup(tmp_path: Path, node_file: Path, name: str) -> None:
+    if not os.access("/bin/kill", os.X_OK):
+        pytest.skip("no /bin/kill, which the units' reload step runs (Debian package procps)")
+    bad = tmp_path / "a.toml"
+    bad.write_text(node_file.read_text().replace("[node]\n", "[node]\nflavour = 1\n", 1))
+    main = subprocess.Popen(["sleep", "60"])
+    try:
+        failed = reload(name, bad, main.pid, {})
+        assert failed is not None and failed.returncode == 2, failed
+        assert str(bad) in failed.stderr and "node.flavour" in failed.stderr
+        # A variable that names no key (a typo in /etc/default/replicator) fails the reload too.
+        failed = reload(name, node_file, main.pid, {"REPLICATOR_NODE_WORKRES": "4"})
+        assert failed is not None and failed.returncode == 2 and "REPLICATOR_NODE_WORKRES" in failed.stderr
+        failed = reload(name, node_file, main.pid, {"REPLICATOR_WORKERS": "4"})
+        assert failed is not None and failed.returncode == 2 and "REPLICATOR_WORKERS" in failed.stderr
+        assert main.poll() is None, "the SIGHUP went out after a failed check"
+        assert reload(name, node_file, main.pid, {"REPLICATOR_NODE_WORKERS": "4"}) is None
+        assert main.wait(10) == -signal.SIGHUP
+    finally:
+        main.kill()
+        main.wait()
+
+
+def test_sysusers_file_makes_the_units_user(tmp_path: Path) -> None:
+    sysusers = tool("systemd-sysusers", "systemd")
+    (tmp_path / "etc").mkdir()
+    text = (OPS / "replicator.sysusers").read_text()
+    result = subprocess.run(
+        [sysusers, f"--root={tmp_path}", "-"], input=text, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    users = {line.split(":")[0]: line.split(":") for line in (tmp_path / "etc" / "passwd").read_text().splitlines()}
+    groups = {line.split(":")[0]: line.split(":") for line in (tmp_path / "etc" / "group").read_text().splitlines()}
+    user = directives((OPS / "replicator.service").read_text())[("Service", "User")][0]
+    group = directives((OPS / "replicator.service").read_text())[("Service", "Group")][0]
+    assert user in users and group in groups
+    assert users[user][3] == groups[group][2], "the user's primary group is the unit's Group="
+    assert int(users[user][2]) < 1000, "a system user"
+    assert users[user][5] == "/var/lib/replicator" and users[user][6].endswith("nologin")
 
 
 # -- Prometheus ------------------------------------------------------------------------------------------------
@@ -336,6 +499,8 @@ def scenario(inputs: list[dict[str, str]], *checks: dict[str, Any]) -> dict[str,
 
 RSS = "replicator_worker_rss_bytes"
 REPAIRED = "replicator_antientropy_records_repaired_total"
+EXPIRY = "replicator_certificate_expiry_timestamp_seconds"
+DAY = 86400
 SCENARIOS = [
     # The node stops answering at 2m; the alert waits 2 minutes for systemd's restart.
     scenario(
@@ -495,6 +660,22 @@ SCENARIOS = [
         fires("8m", "ReplicatorPeerForgery", "warning", peer="mallet"),
         quiet("40m", "ReplicatorPeerForgery"),
     ),
+    # The test clock starts at the epoch: a node certificate that expires 31 days later, a CA in ten years. Under 30
+    # days from 24h on, for an hour.
+    scenario(
+        [
+            series(EXPIRY, f"{31 * DAY}x1600", certificate="node"),
+            series(EXPIRY, f"{3650 * DAY}x1600", certificate="ca"),
+        ],
+        quiet("23h", "ReplicatorCertificateExpiresSoon"),
+        quiet("24h50m", "ReplicatorCertificateExpiresSoon"),
+        fires("26h", "ReplicatorCertificateExpiresSoon", "warning", certificate="node"),
+    ),
+    # Renewed a few minutes after crossing the line: a year ahead again, no page.
+    scenario(
+        [series(EXPIRY, f"{31 * DAY}x1450 {396 * DAY}x200", certificate="node")],
+        quiet("26h", "ReplicatorCertificateExpiresSoon"),
+    ),
 ]
 
 
@@ -552,7 +733,7 @@ def references(expr: str) -> tuple[set[str], set[str]]:
 
 
 def check_expr(expr: str, extra_labels: Set[str] = frozenset()) -> list[str]:
-    known = {**EXPORTED, **PROMETHEUS_SERIES}
+    known = {**EXPORTED, **PROMETHEUS_SERIES, **PROCESS_SERIES}
     names, labels = references(expr)
     problems = [f"{name!r} is not a metric the node exports" for name in sorted(names - known.keys())]
     if not names:
@@ -563,10 +744,53 @@ def check_expr(expr: str, extra_labels: Set[str] = frozenset()) -> list[str]:
 
 
 def test_the_reference_list_matches_coordinator_metrics() -> None:
-    tree = ast.parse((ROOT / "coordinator" / "metrics.py").read_text())
-    strings = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)}
-    missing = [name for name in EXPORTED if name not in strings and name.removesuffix("_total") not in strings]
+    strings: set[str] = set()
+    # The histograms the workers feed are named in shared/histograms.py (both ends use the buckets there).
+    for source in (ROOT / "coordinator" / "metrics.py", ROOT / "shared" / "histograms.py"):
+        tree = ast.parse(source.read_text())
+        strings |= {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+    missing = [name for name in EXPORTED if not {name, *map(name.removesuffix, SERIES_SUFFIXES)} & strings]
     assert not missing, f"coordinator/metrics.py no longer exports {missing}"
+
+
+COUNTED = re.compile(r'^replicator_batch_apply_seconds_count\{database="m"\} [1-9]', re.MULTILINE)
+
+
+def check_metrics(promtool: str, text: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def family_names(name: str) -> set[str]:
+    """The names a sample `name` may belong to: itself, or its family's without the counter or histogram suffix."""
+    return {name, *map(name.removesuffix, SERIES_SUFFIXES)}
+
+
+async def test_promtool_checks_a_live_scrape(make_cluster: Any) -> None:
+    promtool = tool("promtool", "prometheus")
+    cluster = make_cluster(["a", "b"], workers=1)
+    cluster.start()
+    try:
+        await cluster.wait_ready()
+        await cluster.wait_connected()
+        assert (await cluster.data("a", "PUT", "/data/m/t/x", {"v": 1}))[0] == 200
+        await cluster.wait_converged("m", timeout=30, expect_count=1)
+
+        async def scraped() -> str | None:
+            async with cluster.http.get(cluster["b"].admin_url + "/metrics") as response:
+                text = await response.text()
+            # Once the batch from a is counted, the worker-fed series have samples too.
+            return text if COUNTED.search(text) else None
+
+        text = await wait_for(scraped, 30, "b's scrape counting the batch from a")
+    finally:
+        await cluster.close()
+    result = check_metrics(promtool, text)
+    assert result.returncode == 0, result.stdout + result.stderr
+    families = set(re.findall(r"^# TYPE (\S+) ", text, re.MULTILINE))
+    missing = [name for name in {**EXPORTED, **PROCESS_SERIES} if not family_names(name) & families]
+    assert not missing, f"not in a live scrape: {missing}"
 
 
 def test_the_expression_checker_catches_mistakes() -> None:
@@ -628,6 +852,11 @@ def test_runbook_covers_the_operations_and_its_links_resolve() -> None:
         "DELETE 127.0.0.1:9926/databases/",
         "[[peers]]",
         "systemctl reload",
+        "check-config",
+        "systemd-sysusers",
+        "replicator.sysusers",
+        "/etc/default/replicator",
+        "-p warning",
         "node.workers",
         "| 2 |",
         "| 3 |",
@@ -719,4 +948,87 @@ def test_promtool_parses_the_dashboard_queries(tmp_path: Path) -> None:
     path = tmp_path / "dashboard-queries.json"  # JSON is YAML
     path.write_text(json.dumps({"groups": [{"name": "dashboard", "rules": records}]}))
     result = run(promtool, "check", "rules", path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# How the dashboard names series: by the target's `node` (prometheus.yml), or by its `instance` when the target has
+# no `node` label. label_join makes "NODE;INSTANCE", which ends up in `node` only when NODE is empty.
+NODE_FALLBACK = (
+    "label_replace(label_join(",
+    ', "node_or_instance", ";", "node", "instance"), "node", "$1", "node_or_instance", ";(.*)")',
+)
+AGGREGATION = re.compile(r"\bby \(([^)]*)\) \(")  # `by (labels) (`, its argument following
+
+
+def test_dashboard_queries_that_name_nodes_fall_back_to_the_instance() -> None:
+    prefix, suffix = NODE_FALLBACK
+    problems = []
+    for panel in panels():
+        for target in panel.get("targets", []):
+            expr, where = target["expr"], f"{panel['title']} {target['refId']}"
+            groups = [(m.end(), {g.strip() for g in m.group(1).split(",")}) for m in AGGREGATION.finditer(expr)]
+            by_node = [end for end, labels in groups if "node" in labels]
+            shown = "{{node}}" in target.get("legendFormat", "")
+            if any(not expr.startswith(prefix, end) for end in by_node):
+                problems.append(f"{where}: an aggregation by node over series without the fallback")
+            if shown and not by_node and not expr.startswith(prefix):
+                problems.append(f"{where}: series shown by node without the fallback")
+            if (by_node or shown) and expr.count(suffix) < max(1, len(by_node)):
+                problems.append(f"{where}: the fallback is not the one of the dashboard")
+    assert not problems, "\n".join(problems)
+
+
+def test_dashboard_shows_a_target_without_node_by_its_instance(tmp_path: Path) -> None:
+    promtool = tool("promtool", "prometheus")
+    found = {(title, ref): expr for title, ref, expr in queries()}
+
+    def concrete(title: str) -> str:
+        return found[(title, "A")].replace("$__rate_interval", "5m").replace('node=~"$node"', 'node=~".*"')
+
+    named = {"job": "replicator", "instance": "127.0.0.1:9926", "node": "a"}
+    bare = {"job": "replicator", "instance": "10.0.0.2:9926"}  # a scrape config without the `node` label
+
+    def sample(name: str, values: str, **labels: str) -> dict[str, str]:
+        selector = ",".join(f'{key}="{value}"' for key, value in sorted(labels.items()))
+        return {"series": name + "{" + selector + "}", "values": values}
+
+    lag = "replicator_replication_lag_seconds"
+    tests = {
+        "interval": "1m",
+        "input_series": [
+            sample("replicator_reconnect_attempts_total", "0+60x10", **named, peer="c"),
+            sample("replicator_reconnect_attempts_total", "0+120x10", **bare, peer="c"),
+            sample(lag, "7x10", **named, peer="c", database="orders"),
+            sample(lag, "9x10", **bare, peer="c", database="orders"),
+        ],
+        "promql_expr_test": [
+            {
+                "expr": concrete("Reconnect attempts by peer"),
+                "eval_time": "5m",
+                "exp_samples": [
+                    {"labels": '{node="a", peer="c"}', "value": 1},
+                    {"labels": '{node="10.0.0.2:9926", peer="c"}', "value": 2},
+                ],
+            },
+            {
+                "expr": concrete("Replication lag"),
+                "eval_time": "5m",
+                "exp_samples": [
+                    {
+                        "labels": lag + '{database="orders", instance="127.0.0.1:9926", job="replicator", node="a",'
+                        ' node_or_instance="a;127.0.0.1:9926", peer="c"}',
+                        "value": 7,
+                    },
+                    {
+                        "labels": lag + '{database="orders", instance="10.0.0.2:9926", job="replicator",'
+                        ' node="10.0.0.2:9926", node_or_instance=";10.0.0.2:9926", peer="c"}',
+                        "value": 9,
+                    },
+                ],
+            },
+        ],
+    }
+    spec = tmp_path / "dashboard.test.json"  # JSON is YAML
+    spec.write_text(json.dumps({"rule_files": [], "evaluation_interval": "1m", "tests": [tests]}))
+    result = run(promtool, "test", "rules", spec)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from coordinator.inspect import render_status, render_verify, verify_document
+from coordinator.inspect import render_status, render_verify, status_problems, status_summary, verify_document
 
 
 def test_status_names_failed_over_origins_and_recovering_databases() -> None:
@@ -150,3 +150,37 @@ def test_verify_rendering_reports_what_each_node_repaired() -> None:
     ]
     different = verify_document(["a", "b"], {"orders": _digests(a="ff00", b="ee11")})
     assert render_verify(different).splitlines() == ["DIFFERENT on a, b:", "  orders/items: a=3/ff00 b=3/ee11"]
+
+
+def _worker(slot: int, ready: bool, pid: int | None = 100, boot_error: str | None = None) -> dict:
+    return {"id": slot, "pid": pid, "ready": ready, "rss_bytes": 0, "restarts": 0, "boot_error": boot_error}
+
+
+def test_status_check_names_each_worker_not_ready_and_each_pair_not_connected() -> None:
+    down = {**_pair("orders", None), "connected": False, "reconnect_attempts": 4, "last_error": "HTTP 403"}
+    body = {
+        "node": "a",
+        "workers": [_worker(0, True), _worker(1, False, pid=None), _worker(2, False, boot_error="port in use")],
+        "connections": [
+            {"peer": "b", "databases": [_pair("system", None), down]},
+            {"peer": "c", "databases": [{**_pair("system", None), "connected": False}]},
+        ],
+    }
+
+    assert status_problems(body) == [
+        "worker 1 is down (not running)",
+        "worker 2 is down (pid 100, not ready): port in use",
+        "pair b/orders is not connected (4 reconnects, last error: HTTP 403)",
+        "pair c/system is not connected (0 reconnects)",
+    ]
+    assert status_summary(body) == "node a, workers ready 1/3, pairs connected 1/3"
+
+
+def test_status_check_passes_a_healthy_node_and_fails_one_without_workers() -> None:
+    healthy = {
+        "node": "a",
+        "workers": [_worker(0, True)],
+        "connections": [{"peer": "b", "databases": [_pair("x", None)]}],
+    }
+    assert status_problems(healthy) == []
+    assert status_problems({"node": "a", "workers": [], "connections": []}) == ["no worker is running"]

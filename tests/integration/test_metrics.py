@@ -1,0 +1,129 @@
+"""/metrics of real nodes: what replication moves (bytes, batch commits), lag only for pairs that measured it, the
+worker processes, the certificates, the build; and the exposition's content negotiation and compression."""
+
+from __future__ import annotations
+
+import platform
+from typing import Any
+
+import psutil
+from cryptography import x509
+from prometheus_client.parser import text_string_to_metric_families
+
+from coordinator.local_cluster import LocalCluster, free_ports
+from tests.integration.conftest import wait_for, write_many
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+async def scrape(cluster: LocalCluster, name: str) -> Samples:
+    async with cluster.http.get(cluster[name].admin_url + "/metrics") as response:
+        assert response.status == 200
+        text = await response.text()
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def value(samples: Samples, name: str, **labels: str) -> float | None:
+    return samples.get((name, tuple(sorted(labels.items()))))
+
+
+async def test_replication_moves_the_byte_counters_and_the_batch_histogram(make_cluster: Any) -> None:
+    cluster = make_cluster(["a", "b"], workers=1)
+    (dead_port,) = free_ports(1)
+    cluster["a"].outside_peers = {"ghost": f"wss://127.0.0.1:{dead_port}"}  # a peer that never answers
+    cluster.start()
+    try:
+        await cluster.wait_ready()
+        await cluster.wait_connected()
+        await write_many(cluster, "a", "m", "t", [f"r{i}" for i in range(200)], {"v": "x" * 100})
+        await cluster.wait_converged("m", timeout=30, expect_count=200)
+
+        async def moved(before: tuple[float, ...] = (0.0, 0.0, 0.0)) -> tuple[float, ...] | None:
+            a, b = await scrape(cluster, "a"), await scrape(cluster, "b")
+            now = (
+                value(a, "replicator_bytes_sent_total", peer="b") or 0.0,
+                value(b, "replicator_bytes_received_total", peer="a") or 0.0,
+                value(b, "replicator_batch_apply_seconds_count", database="m") or 0.0,
+            )
+            return now if all(n > p for n, p in zip(now, before, strict=True)) else None
+
+        first = await wait_for(moved, 15, "bytes and batch commits counted (heartbeats carry them)")
+        # 200 records of 100-odd bytes each went from a to b: the frames held at least that much.
+        assert first[0] > 200 * 100 and first[1] > 200 * 100
+        await write_many(cluster, "a", "m", "t", [f"s{i}" for i in range(50)], {"v": "y"})
+        await cluster.wait_converged("m", timeout=30, expect_count=250)
+        await wait_for(lambda: moved(first), 15, "the counters and the histogram grow with the next writes")
+
+        a = await scrape(cluster, "a")
+        # Lag: the connected pairs measured it; the pair with the peer that never answered has none, not 0.
+        assert value(a, "replicator_replication_lag_seconds", database="m", peer="b") is not None
+        assert value(a, "replicator_peer_connected", database="system", peer="ghost") == 0
+        lagging = {dict(labels)["peer"] for (name, labels) in a if name == "replicator_replication_lag_seconds"}
+        assert lagging == {"b"}
+        # The setup of every pair with b was timed, from its dispatch to its connect.
+        assert (value(a, "replicator_setup_to_connected_seconds_count", peer="b") or 0) >= 2
+        assert value(a, "replicator_setup_to_connected_seconds_count", peer="ghost") == 0
+    finally:
+        await cluster.close()
+
+
+async def test_process_certificate_and_build_series(make_cluster: Any) -> None:
+    cluster = make_cluster(["a"], workers=2)
+    cluster.start()
+    try:
+        await cluster.wait_ready()
+        samples = await scrape(cluster, "a")
+        _, status = await cluster.admin("a", "/status")
+        for worker in status["workers"]:
+            slot, process = str(worker["id"]), psutil.Process(worker["pid"])
+            assert value(samples, "replicator_worker_open_fds", worker=slot) == process.num_fds()
+            resident = value(samples, "replicator_worker_resident_bytes", worker=slot)
+            assert resident is not None and 0.5 < resident / process.memory_info().rss < 2
+            cpu = value(samples, "replicator_worker_cpu_seconds_total", worker=slot)
+            times = process.cpu_times()
+            assert cpu is not None and 0 < cpu <= times.user + times.system
+        assert (value(samples, "process_open_fds") or 0) > 0  # the coordinator itself
+
+        node_cert = x509.load_pem_x509_certificate((cluster["a"].dir / "a.pem").read_bytes())
+        ca_cert = x509.load_pem_x509_certificate((cluster.dir / "ca" / "ca.pem").read_bytes())
+        name = "replicator_certificate_expiry_timestamp_seconds"
+        assert value(samples, name, certificate="node") == node_cert.not_valid_after_utc.timestamp()
+        assert value(samples, name, certificate="ca") == ca_cert.not_valid_after_utc.timestamp()
+
+        (build,) = [dict(labels) for (n, labels) in samples if n == "replicator_build_info"]
+        assert build["python"] == platform.python_version()  # the node runs this interpreter
+        assert build["event_loop"] in {"asyncio", "uvloop"}
+        assert build["version"]
+    finally:
+        await cluster.close()
+
+
+async def test_the_exposition_negotiates_format_and_compression(make_cluster: Any) -> None:
+    cluster = make_cluster(["a"], workers=1)
+    cluster.start()
+    try:
+        await cluster.wait_ready()
+        url = cluster["a"].admin_url + "/metrics"
+        async with cluster.http.get(url) as response:
+            assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+            assert "replicator_workers_ready 1.0" in await response.text()
+        openmetrics = {"Accept": "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"}
+        async with cluster.http.get(url, headers=openmetrics) as response:
+            assert response.headers["Content-Type"].startswith("application/openmetrics-text; version=1.0.0")
+            text = await response.text()
+            assert text.endswith("# EOF\n") and "# TYPE replicator_worker_restarts counter" in text
+        async with cluster.http.get(url, headers={"Accept-Encoding": "gzip"}) as response:
+            assert response.headers["Content-Encoding"] == "gzip"
+            assert "replicator_workers_ready 1.0" in await response.text()  # the client inflates it
+        async with cluster.http.get(url, headers={"Accept-Encoding": "identity"}) as response:
+            assert "Content-Encoding" not in response.headers
+        name = {"name[]": "replicator_workers_ready"}
+        async with cluster.http.get(url, params=name) as response:
+            families = [f.name for f in text_string_to_metric_families(await response.text())]
+            assert families == ["replicator_workers_ready"]
+    finally:
+        await cluster.close()

@@ -1,0 +1,83 @@
+"""systemd's STATUS= line: sent when its text changes, at most once per interval, never without NOTIFY_SOCKET."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from coordinator.sd_notify import Notifier, status_text
+from tests.unit.fakeloop import VirtualTimeLoop
+
+
+@pytest.fixture
+def receiver(tmp_path: Path) -> Iterator[tuple[str, socket.socket]]:
+    address = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(address)
+    sock.setblocking(False)
+    try:
+        yield address, sock
+    finally:
+        sock.close()
+
+
+def received(sock: socket.socket) -> list[str]:
+    datagrams = []
+    while True:
+        try:
+            datagrams.append(sock.recv(4096).decode())
+        except BlockingIOError:
+            return datagrams
+
+
+def test_status_text() -> None:
+    counts = {"workers_ready": 1, "workers": 2, "pairs_connected": 3, "pairs": 4}
+    assert status_text(ready=True, **counts) == "workers 1/2 ready, pairs 3/4 connected"
+    assert status_text(ready=False, **counts) == "starting: workers 1/2 ready, pairs 3/4 connected"
+
+
+def test_a_status_is_sent_once_per_change_and_with_ready(receiver: tuple[str, socket.socket]) -> None:
+    address, sock = receiver
+    notifier = Notifier(address, None)
+    notifier.status("starting: workers 0/2 ready, pairs 0/0 connected")
+    notifier.status("starting: workers 0/2 ready, pairs 0/0 connected")
+    notifier.status("workers 2/2 ready, pairs 0/0 connected", "READY=1")
+    notifier.status("workers 2/2 ready, pairs 0/0 connected")
+    assert received(sock) == [
+        "STATUS=starting: workers 0/2 ready, pairs 0/0 connected",
+        "READY=1\nSTATUS=workers 2/2 ready, pairs 0/0 connected",
+    ]
+
+
+def test_the_loop_sends_changes_at_most_once_per_interval(
+    receiver: tuple[str, socket.socket], loop: VirtualTimeLoop
+) -> None:
+    address, sock = receiver
+    notifier = Notifier(address, None)
+    connected = [0]
+    task = loop.create_task(notifier.status_loop(lambda: f"pairs {connected[0]}/100 connected", interval=1.0))
+    loop.advance(0)
+    assert received(sock) == ["STATUS=pairs 0/100 connected"]
+    for step in range(1, 101):  # a pair connects every 10 ms
+        loop.advance(0.01)
+        connected[0] = step
+    # One second of changes is one datagram, with the count at that tick.
+    assert received(sock) == ["STATUS=pairs 99/100 connected"]
+    loop.advance(1.0)
+    assert received(sock) == ["STATUS=pairs 100/100 connected"]
+    loop.advance(10.0)
+    assert received(sock) == []  # nothing changed: nothing sent
+    task.cancel()
+    loop.advance(0)
+
+
+def test_nothing_is_sent_outside_systemd(loop: VirtualTimeLoop) -> None:
+    notifier = Notifier.from_environment({})
+    calls = []
+    notifier.status("workers 1/1 ready, pairs 0/0 connected", "READY=1")
+    task = loop.create_task(notifier.status_loop(lambda: calls.append(1) or "x"))
+    loop.advance(5.0)
+    assert task.done() and calls == []
