@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import os
 import random
@@ -158,7 +159,7 @@ def _scrub(db: Any) -> dict:
 
 async def _round(db: Any, peer: Any) -> dict:
     """One round of `db` pulling from `peer`; an error the round reports fails the benchmark."""
-    from workers.antientropy import Round, local_transport
+    from replicator.workers.antientropy import Round, local_transport
 
     wall, cpu = time.perf_counter(), time.process_time()
     result = await Round(db, local_transport(peer), rate=REPAIR_RATE).run()
@@ -180,7 +181,7 @@ def _fail(message: str) -> None:
 
 
 async def find_and_repair(records: int, differ: int) -> tuple[dict, dict]:
-    from shared.store import Store
+    from replicator.shared.store import Store
 
     ids = [f"r{index:08d}" for index in range(records)]
     with (
@@ -258,11 +259,14 @@ async def find_and_repair(records: int, differ: int) -> tuple[dict, dict]:
 
 def measure_writes(code: Path, records: int) -> dict:
     """Runs in the child: put_many and apply_batch rates of the store of the tree `code` (on PYTHONPATH)."""
-    from shared import store as store_module
+    if (code / "src" / "replicator").is_dir():
+        store_module = importlib.import_module("replicator.shared.store")
+    else:  # a tree from before the `replicator` import root
+        store_module = importlib.import_module("shared.store")
 
     loaded = Path(store_module.__file__).resolve()
     if not loaded.is_relative_to(code):
-        raise RuntimeError(f"shared.store came from {loaded}, not from {code}")
+        raise RuntimeError(f"replicator.shared.store came from {loaded}, not from {code}")
     ids = [f"w{index:08d}" for index in range(records)]
     batches = [
         [
@@ -316,7 +320,7 @@ def _run_side(code: Path, records: int) -> dict:
         "--write-records",
         str(records),
     ]
-    env = {**os.environ, "PYTHONPATH": str(code)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(code / "src"), str(code)])}
     done = subprocess.run(command, cwd=code, env=env, stdout=subprocess.PIPE, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"the write measurement of {code} exited with {done.returncode}")

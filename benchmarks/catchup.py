@@ -36,10 +36,10 @@ import msgspec
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from coordinator.local_cluster import LocalCluster  # noqa: E402
-from shared.blobs import BlobStore  # noqa: E402
-from shared.store import Store  # noqa: E402
-from shared.wire import Entry  # noqa: E402
+from replicator.coordinator.local_cluster import LocalCluster  # noqa: E402
+from replicator.shared.blobs import BlobStore  # noqa: E402
+from replicator.shared.store import Store  # noqa: E402
+from replicator.shared.wire import Entry  # noqa: E402
 
 DATABASE = "catchup"
 TARGET_MB_S = 20.0

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import os
 import re
@@ -60,16 +61,21 @@ _LABEL = re.compile(r'(\w+)="([^"]*)"')
 def _use_code(code: Path) -> type:
     """LocalCluster from the tree `code`, whose nodes run that tree's code.
 
-    The nodes run `python -m coordinator.cli` with PYTHONPATH set to the tree LocalCluster is loaded from, but
-    `-m` puts the working directory ahead of PYTHONPATH, so the working directory must be that tree too.
+    The nodes run the coordinator's module with PYTHONPATH set to the tree LocalCluster is loaded from, but `-m`
+    puts the working directory ahead of PYTHONPATH, so the working directory must be that tree too. A tree has the
+    `replicator` import root in `src/` (or, before it had one, the folders themselves were the packages).
     """
-    sys.path.insert(0, str(code))
     os.chdir(code)
-    from coordinator import local_cluster
+    if (code / "src" / "replicator").is_dir():
+        sys.path[:0] = [str(code / "src"), str(code)]
+        local_cluster = importlib.import_module("replicator.coordinator.local_cluster")
+    else:
+        sys.path.insert(0, str(code))
+        local_cluster = importlib.import_module("coordinator.local_cluster")
 
     loaded = Path(local_cluster.__file__).resolve()
     if not loaded.is_relative_to(code):
-        raise RuntimeError(f"coordinator.local_cluster came from {loaded}, not from {code}")
+        raise RuntimeError(f"replicator.coordinator.local_cluster came from {loaded}, not from {code}")
     return local_cluster.LocalCluster
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from coordinator.setup_scheduler import SetupScheduler
+from replicator.coordinator.setup_scheduler import SetupScheduler
 
 BASELINE_DELAY = 0.2  # the fixed setup timer before the scheduler
 TARGET_RATIO = 100.0

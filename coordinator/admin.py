@@ -25,16 +25,16 @@ import msgspec
 from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
 
-from coordinator.blob_repairs import NoWorker, WorkerExited
-from coordinator.filecheck import WriteProbe
-from coordinator.view import AdminView
-from shared import config as config_module
-from shared import membership, revocation
-from shared.config import DATABASE_PATTERN_RE, NAME_RE
-from shared.keys import normalize_url
-from shared.logs import capture_library_logs, log
-from shared.store import SYSTEM, BadName, NodeRow, UnknownDatabase
-from shared.tls import TlsConfigError, ca_certificates, certificates_pem
+from replicator.coordinator.blob_repairs import NoWorker, WorkerExited
+from replicator.coordinator.filecheck import WriteProbe
+from replicator.coordinator.view import AdminView
+from replicator.shared import config as config_module
+from replicator.shared import membership, revocation
+from replicator.shared.config import DATABASE_PATTERN_RE, NAME_RE
+from replicator.shared.keys import normalize_url
+from replicator.shared.logs import capture_library_logs, log
+from replicator.shared.store import SYSTEM, BadName, NodeRow, UnknownDatabase
+from replicator.shared.tls import TlsConfigError, ca_certificates, certificates_pem
 
 _json = msgspec.json.Encoder()
 MAX_WAIT = 3600.0  # the longest `?timeout=` a run-now request may ask for

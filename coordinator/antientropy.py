@@ -25,10 +25,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from coordinator.view import AntiEntropyView
-from shared import messages
-from shared.backoff import Backoff
-from shared.logs import log
+from replicator.coordinator.view import AntiEntropyView
+from replicator.shared import messages
+from replicator.shared.backoff import Backoff
+from replicator.shared.logs import log
 
 MIN_ROUND_TIMEOUT = 60.0
 SCRUB_CHUNK = 1000  # rows per Database.scrub call; the pace between chunks is SCRUB_CHUNK / scrub_rate

@@ -13,10 +13,10 @@ import asyncio
 import itertools
 from typing import TYPE_CHECKING
 
-from shared import messages
+from replicator.shared import messages
 
 if TYPE_CHECKING:
-    from coordinator.supervisor import Supervisor
+    from replicator.coordinator.supervisor import Supervisor
 
 
 class NoWorker(Exception):

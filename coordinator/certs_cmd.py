@@ -20,10 +20,10 @@ from urllib.parse import urlsplit
 import aiohttp
 import msgspec
 
-from coordinator.reachability import WILDCARD, listen_host_for, unreachable_from_peers
-from shared.config import NAME_RE, ConfigError, from_mapping, load, resolve_path
-from shared.keys import normalize_url
-from shared.tls import TlsConfigError, ca_paths, create_ca, host_san, issue_node_cert, server_context
+from replicator.coordinator.reachability import WILDCARD, listen_host_for, unreachable_from_peers
+from replicator.shared.config import NAME_RE, ConfigError, from_mapping, load, resolve_path
+from replicator.shared.keys import normalize_url
+from replicator.shared.tls import TlsConfigError, ca_paths, create_ca, host_san, issue_node_cert, server_context
 
 CONFIG_MODE = 0o600  # the config holds the data API token
 _MAX_WORKERS = 256
@@ -78,7 +78,7 @@ def cmd_certs_node(ca: str, name: str, hosts: list[str], out: str) -> int:
 
 def cmd_certs_revoke(ca: str, name: str, serial: str, out: str | None, admin: str | None) -> int:
     """Sign a revocation with the CA key; print it or write it to `out`, and store it through `admin` if given."""
-    from shared import revocation
+    from replicator.shared import revocation
 
     try:
         signed = revocation.sign(ca, name, serial)

@@ -15,9 +15,9 @@ import json
 import sys
 from typing import TextIO
 
-from shared.config import Config, ConfigError, load, resolve_path
-from shared.logs import priority_prefix
-from shared.tls import TlsConfigError, server_context
+from replicator.shared.config import Config, ConfigError, load, resolve_path
+from replicator.shared.logs import priority_prefix
+from replicator.shared.tls import TlsConfigError, server_context
 
 EXIT_OK = 0
 EXIT_CONFIG = 2

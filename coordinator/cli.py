@@ -15,8 +15,8 @@ import textwrap
 from collections.abc import Coroutine
 from typing import Any
 
-from shared.config import Config, ConfigError, load
-from shared.logs import bridge_logging, log
+from replicator.shared.config import Config, ConfigError, load
+from replicator.shared.logs import bridge_logging, log
 
 EXIT_USAGE = 2
 ADMIN_ENV = "REPLICATOR_ADMIN"
@@ -383,15 +383,15 @@ def main(argv: list[str] | None = None) -> int:
         case "run":
             return _run(args)
         case "check-config":
-            from coordinator.check_config import cmd_check_config
+            from replicator.coordinator.check_config import cmd_check_config
 
             return cmd_check_config(args.config, args.json)
         case "demo":
-            from coordinator.demo import run_demo
+            from replicator.coordinator.demo import run_demo
 
             return _asyncio_run(run_demo(args.nodes, args.workers, args.records, args.dir))
         case "certs":
-            from coordinator import certs_cmd
+            from replicator.coordinator import certs_cmd
 
             if args.certs_command == "ca":
                 return certs_cmd.cmd_certs_ca(args.out)
@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
                 return certs_cmd.cmd_certs_revoke(args.ca, args.name, args.serial, args.out, args.admin)
             return certs_cmd.cmd_certs_node(args.ca, args.name, args.host, args.out)
         case "init":
-            from coordinator import certs_cmd
+            from replicator.coordinator import certs_cmd
 
             return certs_cmd.cmd_init(
                 args.name,
@@ -414,24 +414,24 @@ def main(argv: list[str] | None = None) -> int:
                 workers=args.workers,
             )
         case "status":
-            from coordinator.inspect import cmd_status
+            from replicator.coordinator.inspect import cmd_status
 
             return _asyncio_run(cmd_status(args.admin, args.json, check=args.check))
         case "verify":
-            from coordinator.inspect import cmd_verify
+            from replicator.coordinator.inspect import cmd_verify
 
             admins = args.admin or admin_urls()
             return _asyncio_run(cmd_verify(admins, repair=args.repair, as_json=args.json))
         case "delete-database":
-            from coordinator.delete_database import cmd_delete_database
+            from replicator.coordinator.delete_database import cmd_delete_database
 
             return _asyncio_run(cmd_delete_database(args.admin, args.name, args.token))
         case "repair-blobs":
-            from coordinator.repair_blobs import cmd_repair_blobs
+            from replicator.coordinator.repair_blobs import cmd_repair_blobs
 
             return _asyncio_run(cmd_repair_blobs(args.admin, args.database, args.json, args.timeout))
         case "clone":
-            from coordinator.clone import cmd_clone
+            from replicator.coordinator.clone import cmd_clone
 
             return _asyncio_run(cmd_clone(args.leader, args.config, no_run=args.no_run))
         case "completion":
@@ -461,7 +461,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 async def _serve(config: Config, cli_workers: int | None, check_integrity: bool = False) -> int:
-    from coordinator.node import Node
+    from replicator.coordinator.node import Node
 
     node = Node(config, loop=asyncio.get_running_loop(), cli_workers=cli_workers, check_integrity=check_integrity)
     return await node.run()

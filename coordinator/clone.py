@@ -37,12 +37,21 @@ from urllib.parse import quote, urlsplit
 import aiohttp
 from cryptography import x509
 
-from shared.backoff import Backoff, Jitter
-from shared.config import NAME_RE, Config, ConfigError, PeerSection, data_dir, database_matches, load, resolve_path
-from shared.keys import normalize_url
-from shared.logs import bridge_logging, log
-from shared.store import SYSTEM
-from shared.tls import (
+from replicator.shared.backoff import Backoff, Jitter
+from replicator.shared.config import (
+    NAME_RE,
+    Config,
+    ConfigError,
+    PeerSection,
+    data_dir,
+    database_matches,
+    load,
+    resolve_path,
+)
+from replicator.shared.keys import normalize_url
+from replicator.shared.logs import bridge_logging, log
+from replicator.shared.store import SYSTEM
+from replicator.shared.tls import (
     TlsConfigError,
     ca_certificates,
     certificate_chain,
@@ -54,7 +63,7 @@ from shared.tls import (
 )
 
 if TYPE_CHECKING:
-    from coordinator.node import Node
+    from replicator.coordinator.node import Node
 
 T = TypeVar("T")
 
@@ -654,7 +663,7 @@ def _route_hint(config: Config, route: PeerSection) -> str:
 
 
 async def _run_node(config: Config, target: Plan, no_run: bool) -> int:
-    from coordinator.node import Node
+    from replicator.coordinator.node import Node
 
     log.configure_from(config.log, node=config.node.name, proc="coordinator")
     bridge_logging(log)

@@ -12,8 +12,8 @@ from urllib.parse import quote
 
 import aiohttp
 
-from shared.config import NAME_RE
-from shared.store import SYSTEM
+from replicator.shared.config import NAME_RE
+from replicator.shared.store import SYSTEM
 
 TIMEOUT = aiohttp.ClientTimeout(total=15)
 EXIT_FAILED = 1

@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from coordinator.local_cluster import LocalCluster
+from replicator.coordinator.local_cluster import LocalCluster
 
 DATABASE = "demo"
 TABLE = "items"

@@ -24,10 +24,10 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from coordinator.view import DropsView
-from shared import dropped, messages
-from shared.logs import log
-from shared.store import SYSTEM, UnknownDatabase
+from replicator.coordinator.view import DropsView
+from replicator.shared import dropped, messages
+from replicator.shared.logs import log
+from replicator.shared.store import SYSTEM, UnknownDatabase
 
 # How long a removal waits for every worker to close the database before it leaves the file for a later pass.
 REMOVAL_TIMEOUT = 20.0

@@ -26,9 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.config import NAME_RE
-from shared.logs import log
-from shared.store import SUFFIX
+from replicator.shared.config import NAME_RE
+from replicator.shared.logs import log
+from replicator.shared.store import SUFFIX
 
 DAMAGED_DIR = "damaged"
 HEADER = b"SQLite format 3\x00"

@@ -26,7 +26,7 @@ from typing import Any, Protocol, TypeVar
 
 import aiohttp
 
-from shared.tls import client_context, create_ca, issue_node_cert
+from replicator.shared.tls import client_context, create_ca, issue_node_cert
 
 HOST = "127.0.0.1"
 T = TypeVar("T")
@@ -180,10 +180,11 @@ class LocalNode:
         self._term_sent = False
         log = self.log_path.open("ab")
         child_env = {**os.environ, **self.env, **(env or {})}
-        repo = str(Path(__file__).resolve().parent.parent)
-        child_env["PYTHONPATH"] = repo + os.pathsep + child_env.get("PYTHONPATH", "")
+        # The nodes run the tree this module was loaded from (`src/` holds the `replicator` import root).
+        repo = Path(__file__).resolve().parent.parent
+        child_env["PYTHONPATH"] = os.pathsep.join([str(repo / "src"), str(repo), child_env.get("PYTHONPATH", "")])
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "coordinator.cli", "run", "--config", str(self.config_path), *args],
+            [sys.executable, "-m", "replicator.coordinator.cli", "run", "--config", str(self.config_path), *args],
             stdout=log,
             stderr=log,
             stdin=subprocess.DEVNULL,

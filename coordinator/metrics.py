@@ -35,15 +35,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from coordinator.view import MetricsView
-from shared import config as config_module
-from shared.histograms import BATCH_APPLY_SECONDS, BUCKETS
-from shared.logs import log
-from shared.messages import CounterDelta, HistogramDelta
-from shared.tls import TlsConfigError, ca_certificates, certificate_chain, issued_by_any
+from replicator.coordinator.view import MetricsView
+from replicator.shared import config as config_module
+from replicator.shared.histograms import BATCH_APPLY_SECONDS, BUCKETS
+from replicator.shared.logs import log
+from replicator.shared.messages import CounterDelta, HistogramDelta
+from replicator.shared.tls import TlsConfigError, ca_certificates, certificate_chain, issued_by_any
 
 if TYPE_CHECKING:
-    from coordinator.supervisor import WorkerHandle
+    from replicator.coordinator.supervisor import WorkerHandle
 
 # The warnings most worth graphing when they are sampled; their suppressed counters start at 0 so a rate exists.
 SAMPLED_EVENTS = (

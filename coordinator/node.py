@@ -23,27 +23,27 @@ from typing import Any
 
 import msgspec
 
-from coordinator import filecheck, registry, scaling
-from coordinator.admin import AdminServer
-from coordinator.antientropy import AntiEntropy
-from coordinator.blob_repairs import BlobRepairs
-from coordinator.drops import Drops
-from coordinator.metrics import Metrics
-from coordinator.reachability import unreachable_from_peers
-from coordinator.registry import SYSTEM, NodeView
-from coordinator.replication_map import Entry, PairState, ReplicationMap, StallWatch, should_fire_stall_kick
-from coordinator.routing import Router
-from coordinator.sd_notify import Notifier, status_text
-from coordinator.setup_scheduler import SetupScheduler
-from coordinator.supervisor import PauseMonitor, Supervisor, WorkerHandle
-from shared import config as config_module
-from shared import membership, messages, revocation
-from shared.backoff import Backoff
-from shared.config import Config, ConfigError, PeerSection
-from shared.keys import connection_key, normalize_url
-from shared.logs import log
-from shared.store import Database, NodeRow, Store, UnknownDatabase
-from shared.tls import PeerIdentity, TlsConfigError, server_context
+from replicator.coordinator import filecheck, registry, scaling
+from replicator.coordinator.admin import AdminServer
+from replicator.coordinator.antientropy import AntiEntropy
+from replicator.coordinator.blob_repairs import BlobRepairs
+from replicator.coordinator.drops import Drops
+from replicator.coordinator.metrics import Metrics
+from replicator.coordinator.reachability import unreachable_from_peers
+from replicator.coordinator.registry import SYSTEM, NodeView
+from replicator.coordinator.replication_map import Entry, PairState, ReplicationMap, StallWatch, should_fire_stall_kick
+from replicator.coordinator.routing import Router
+from replicator.coordinator.sd_notify import Notifier, status_text
+from replicator.coordinator.setup_scheduler import SetupScheduler
+from replicator.coordinator.supervisor import PauseMonitor, Supervisor, WorkerHandle
+from replicator.shared import config as config_module
+from replicator.shared import membership, messages, revocation
+from replicator.shared.backoff import Backoff
+from replicator.shared.config import Config, ConfigError, PeerSection
+from replicator.shared.keys import connection_key, normalize_url
+from replicator.shared.logs import log
+from replicator.shared.store import Database, NodeRow, Store, UnknownDatabase
+from replicator.shared.tls import PeerIdentity, TlsConfigError, server_context
 
 EXIT_OK = 0
 EXIT_BOOT_ERROR = 3

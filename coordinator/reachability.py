@@ -9,7 +9,7 @@ from __future__ import annotations
 import ipaddress
 from urllib.parse import urlsplit
 
-from shared.config import is_loopback
+from replicator.shared.config import is_loopback
 
 WILDCARD = "0.0.0.0"
 

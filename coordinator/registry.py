@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.config import Config, database_matches
-from shared.keys import normalize_url
-from shared.store import NodeRow
+from replicator.shared.config import Config, database_matches
+from replicator.shared.keys import normalize_url
+from replicator.shared.store import NodeRow
 
 SYSTEM = "system"
 

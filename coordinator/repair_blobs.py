@@ -14,7 +14,7 @@ from urllib.parse import quote
 
 import aiohttp
 
-from shared.config import NAME_RE
+from replicator.shared.config import NAME_RE
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared import messages
+from replicator.shared import messages
 
 
 @dataclass

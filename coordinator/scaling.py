@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import math
 
-from coordinator.replication_map import Entry
-from coordinator.supervisor import wait_until
-from coordinator.view import ScalingView
-from shared import messages
-from shared.logs import log
+from replicator.coordinator.replication_map import Entry
+from replicator.coordinator.supervisor import wait_until
+from replicator.coordinator.view import ScalingView
+from replicator.shared import messages
+from replicator.shared.logs import log
 
 READY_TIMEOUT = 60.0
 

@@ -13,7 +13,7 @@ import os
 import socket
 from collections.abc import Callable, Mapping
 
-from shared.logs import log
+from replicator.shared.logs import log
 
 STATUS_INTERVAL = 1.0
 

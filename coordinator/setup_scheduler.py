@@ -28,8 +28,8 @@ import random
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from shared.backoff import Backoff
-from shared.logs import log
+from replicator.shared.backoff import Backoff
+from replicator.shared.logs import log
 
 
 class TimerHandle(Protocol):

@@ -18,10 +18,10 @@ from typing import Any
 
 import msgspec
 
-from shared import messages
-from shared.backoff import Backoff
-from shared.logs import log
-from workers.main import EXIT_BOOT_ERROR, worker_entry
+from replicator.shared import messages
+from replicator.shared.backoff import Backoff
+from replicator.shared.logs import log
+from replicator.workers.main import EXIT_BOOT_ERROR, worker_entry
 
 RESPAWN_HEALTHY_UPTIME = 10.0
 # The coordinator's own loop ticks this often; a tick later than PAUSE_SLACK past its time is not load: the loop

@@ -16,17 +16,17 @@ if TYPE_CHECKING:
 
     from prometheus_client import CollectorRegistry
 
-    from coordinator.antientropy import AntiEntropy
-    from coordinator.blob_repairs import BlobRepairs
-    from coordinator.drops import Drops
-    from coordinator.registry import NodeView
-    from coordinator.replication_map import ReplicationMap
-    from coordinator.setup_scheduler import SetupScheduler, Sweep
-    from coordinator.supervisor import Supervisor
-    from shared import membership
-    from shared.config import Config
-    from shared.store import Database, Store
-    from shared.tls import PeerIdentity
+    from replicator.coordinator.antientropy import AntiEntropy
+    from replicator.coordinator.blob_repairs import BlobRepairs
+    from replicator.coordinator.drops import Drops
+    from replicator.coordinator.registry import NodeView
+    from replicator.coordinator.replication_map import ReplicationMap
+    from replicator.coordinator.setup_scheduler import SetupScheduler, Sweep
+    from replicator.coordinator.supervisor import Supervisor
+    from replicator.shared import membership
+    from replicator.shared.config import Config
+    from replicator.shared.store import Database, Store
+    from replicator.shared.tls import PeerIdentity
 
 
 class MetricsView(Protocol):

@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from shared.config import NAME_RE
+from replicator.shared.config import NAME_RE
 
 EXT_TYPE = 7  # the msgpack extension type of a blob reference
 SUFFIX = ".blobs"

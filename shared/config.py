@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from shared.logs import level_name
+from replicator.shared.logs import level_name
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
 DATABASE_PATTERN_RE = re.compile(r"^(\*|[A-Za-z0-9_-]{1,64})$")
@@ -404,7 +404,7 @@ def _bound(value: float) -> str:
 
 
 def _check_url(url: str, key: str, fail: Any) -> None:
-    from shared.keys import normalize_url
+    from replicator.shared.keys import normalize_url
 
     if not url.startswith(("wss://", "ws://")):
         fail(key, f"expected a wss:// URL, got {url!r}")

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import msgspec
 
-from shared.config import NAME_RE
-from shared.store import DROPPED, SYSTEM, Database, check_name
+from replicator.shared.config import NAME_RE
+from replicator.shared.store import DROPPED, SYSTEM, Database, check_name
 
 _PAGE = 1000
 

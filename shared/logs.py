@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
-    from shared.config import LogSection
+    from replicator.shared.config import LogSection
 
 LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}  # the same numbers as the logging module's
 # syslog(3) priorities: LOG_ERR, LOG_WARNING, LOG_INFO, LOG_DEBUG.

@@ -31,12 +31,12 @@ from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 
-from shared.config import NAME_RE
-from shared.keys import normalize_url
-from shared.revocation import CA, authorities, sign_data, verify_data
-from shared.store import DamagedRecord, Database, NodeRow, check_name
-from shared.tls import PeerIdentity, issued_by_any, peer_identity
-from shared.wire import Entry
+from replicator.shared.config import NAME_RE
+from replicator.shared.keys import normalize_url
+from replicator.shared.revocation import CA, authorities, sign_data, verify_data
+from replicator.shared.store import DamagedRecord, Database, NodeRow, check_name
+from replicator.shared.tls import PeerIdentity, issued_by_any, peer_identity
+from replicator.shared.wire import Entry
 
 NODES = "nodes"
 INTRODUCTIONS = "introductions"

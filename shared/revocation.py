@@ -26,8 +26,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec, ed448, ed25519, padding, rsa
 
-from shared.config import NAME_RE
-from shared.tls import PeerIdentity, _load_ca, ca_paths
+from replicator.shared.config import NAME_RE
+from replicator.shared.tls import PeerIdentity, _load_ca, ca_paths
 
 TABLE = "revocations"
 BACKDATE = 300.0  # seconds: how far before its issue a certificate of `replicator certs node` becomes valid

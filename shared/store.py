@@ -50,11 +50,11 @@ from pathlib import Path
 
 import msgspec
 
-from shared import blobs, digests, hlc
-from shared.config import NAME_RE
-from shared.digests import DAMAGED
-from shared.logs import log
-from shared.wire import Entry
+from replicator.shared import blobs, digests, hlc
+from replicator.shared.config import NAME_RE
+from replicator.shared.digests import DAMAGED
+from replicator.shared.logs import log
+from replicator.shared.wire import Entry
 
 _place = digests.place
 

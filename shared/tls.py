@@ -31,7 +31,7 @@ from cryptography.hazmat.primitives.asymmetric import dsa, ec, ed448, ed25519, r
 from cryptography.hazmat.primitives.asymmetric.types import CertificateIssuerPrivateKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from shared.config import NAME_RE
+from replicator.shared.config import NAME_RE
 
 PathLike = str | os.PathLike[str]
 

@@ -23,8 +23,8 @@ import random
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from shared.backoff import Backoff
-from shared.logs import log
+from replicator.shared.backoff import Backoff
+from replicator.shared.logs import log
 
 ACTIONS: frozenset[str] = frozenset(("subscribe", "unsubscribe", "force_reconnect"))
 

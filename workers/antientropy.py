@@ -33,12 +33,12 @@ from typing import TypeVar
 
 import msgspec
 
-from shared import digests, membership, revocation, wire
-from shared.config import NAME_RE
-from shared.hlc import MAX_VERSION
-from shared.logs import log
-from shared.store import BadName, BadRecord, Database, check_name
-from shared.wire import Entry
+from replicator.shared import digests, membership, revocation, wire
+from replicator.shared.config import NAME_RE
+from replicator.shared.hlc import MAX_VERSION
+from replicator.shared.logs import log
+from replicator.shared.store import BadName, BadRecord, Database, check_name
+from replicator.shared.wire import Entry
 
 SYSTEM = "system"
 LEAF_ROWS = 16  # a node holding at most this many rows on each side is settled by exchanging its rows

@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from shared import blobs, messages
-from shared.backoff import Backoff
-from shared.config import database_matches
-from shared.logs import log
-from shared.store import Database
-from workers import blobs as transfer
-from workers.context import WorkerContext
+from replicator.shared import blobs, messages
+from replicator.shared.backoff import Backoff
+from replicator.shared.config import database_matches
+from replicator.shared.logs import log
+from replicator.shared.store import Database
+from replicator.workers import blobs as transfer
+from replicator.workers.context import WorkerContext
 
 INITIAL = 0.05
 MAXIMUM = 1.0

@@ -28,12 +28,12 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from shared import blobs, wire
-from shared.config import NAME_RE
-from shared.logs import log
-from shared.wire import Entry
-from workers import antientropy
-from workers.context import WorkerContext
+from replicator.shared import blobs, wire
+from replicator.shared.config import NAME_RE
+from replicator.shared.logs import log
+from replicator.shared.wire import Entry
+from replicator.workers import antientropy
+from replicator.workers.context import WorkerContext
 
 CHUNK = 256 * 1024
 # A download that receives nothing for this long is cut (the session reconnects and resumes it).

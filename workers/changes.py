@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from shared.store import Database
+from replicator.shared.store import Database
 
 
 class ChangeFeed:

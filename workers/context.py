@@ -9,13 +9,13 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from shared import membership, messages, revocation
-from shared.config import Config, database_matches
-from shared.logs import log
-from shared.store import Database, NodeRow, Store
-from shared.tls import PeerIdentity
-from workers.changes import ChangeFeeds
-from workers.counters import Counters
+from replicator.shared import membership, messages, revocation
+from replicator.shared.config import Config, database_matches
+from replicator.shared.logs import log
+from replicator.shared.store import Database, NodeRow, Store
+from replicator.shared.tls import PeerIdentity
+from replicator.workers.changes import ChangeFeeds
+from replicator.workers.counters import Counters
 
 SYSTEM = "system"
 

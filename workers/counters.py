@@ -7,8 +7,8 @@ its bucket here (`shared.histograms`), so a heartbeat carries one count per buck
 
 from __future__ import annotations
 
-from shared.histograms import BUCKETS, bucket
-from shared.messages import CounterDelta, HistogramDelta
+from replicator.shared.histograms import BUCKETS, bucket
+from replicator.shared.messages import CounterDelta, HistogramDelta
 
 
 class Counters:

@@ -24,12 +24,12 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from shared import blobs
-from shared.config import NAME_RE, is_loopback
-from shared.logs import log, where
-from shared.store import BadName, DamagedRecord, Database, DatabaseRemoving, UnknownDatabase
-from shared.wire import Entry
-from workers.context import SYSTEM, WorkerContext
+from replicator.shared import blobs
+from replicator.shared.config import NAME_RE, is_loopback
+from replicator.shared.logs import log, where
+from replicator.shared.store import BadName, DamagedRecord, Database, DatabaseRemoving, UnknownDatabase
+from replicator.shared.wire import Entry
+from replicator.workers.context import SYSTEM, WorkerContext
 
 MAX_ID_LENGTH = 1024
 MAX_LIST_LIMIT = 10_000

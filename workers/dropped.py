@@ -8,10 +8,10 @@ the deletion (above the floor). From then on the database simply exists again, b
 
 from __future__ import annotations
 
-from shared import wire
-from shared.store import Database, DatabaseRemoving
-from shared.wire import Entry
-from workers.context import SYSTEM, WorkerContext
+from replicator.shared import wire
+from replicator.shared.store import Database, DatabaseRemoving
+from replicator.shared.wire import Entry
+from replicator.workers.context import SYSTEM, WorkerContext
 
 
 class DroppedDatabase:

@@ -13,8 +13,8 @@ from typing import Any, TypeVar
 
 from aiohttp import WSMsgType
 
-from shared import wire
-from workers.counters import Counters
+from replicator.shared import wire
+from replicator.workers.counters import Counters
 
 T = TypeVar("T")
 BYTES_SENT = "replicator_bytes_sent_total"

@@ -34,8 +34,8 @@ from typing import Any
 
 from aiohttp import web
 
-from shared.config import ListenSection
-from shared.logs import log
+from replicator.shared.config import ListenSection
+from replicator.shared.logs import log
 
 LIMIT_TOTAL = "max_connections"
 LIMIT_PER_CLIENT = "max_connections_per_client"

@@ -23,19 +23,19 @@ import aiohttp
 import msgspec
 import psutil
 
-from shared import config as config_module
-from shared import messages, revocation
-from shared.keys import pair_key
-from shared.logs import bridge_logging, log
-from shared.store import Store
-from shared.tls import TlsConfigError, client_context, server_context
-from workers import antientropy, blob_repair, blobs
-from workers.admission import WorkerAdmission
-from workers.context import SYSTEM, WorkerContext
-from workers.counters import Counters
-from workers.resolver import PinnedResolver
-from workers.server import ReplicationServer
-from workers.session import PeerSession
+from replicator.shared import config as config_module
+from replicator.shared import messages, revocation
+from replicator.shared.keys import pair_key
+from replicator.shared.logs import bridge_logging, log
+from replicator.shared.store import Store
+from replicator.shared.tls import TlsConfigError, client_context, server_context
+from replicator.workers import antientropy, blob_repair, blobs
+from replicator.workers.admission import WorkerAdmission
+from replicator.workers.context import SYSTEM, WorkerContext
+from replicator.workers.counters import Counters
+from replicator.workers.resolver import PinnedResolver
+from replicator.workers.server import ReplicationServer
+from replicator.workers.session import PeerSession
 
 EXIT_OK = 0
 EXIT_BOOT_ERROR = 3

@@ -15,7 +15,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 
-from shared.backoff import Backoff
+from replicator.shared.backoff import Backoff
 
 INITIAL = 0.5
 MAXIMUM = 5.0

@@ -15,13 +15,13 @@ import time
 from collections import deque
 from typing import Any
 
-from shared import messages, wire
-from shared.config import NAME_RE
-from shared.hlc import MAX_VERSION
-from shared.logs import log
-from shared.store import Database, UnknownDatabase
-from workers import frames
-from workers.context import WorkerContext
+from replicator.shared import messages, wire
+from replicator.shared.config import NAME_RE
+from replicator.shared.hlc import MAX_VERSION
+from replicator.shared.logs import log
+from replicator.shared.store import Database, UnknownDatabase
+from replicator.workers import frames
+from replicator.workers.context import WorkerContext
 
 HANDSHAKE_TIMEOUT = 15.0
 MAX_ORIGINS = 1024

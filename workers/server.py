@@ -16,15 +16,15 @@ from typing import Any
 
 from aiohttp import web
 
-from shared import wire
-from shared.logs import capture_library_logs, log
-from shared.store import UnknownDatabase
-from shared.tls import PeerIdentity, peer_identity
-from workers import antientropy, blobs, frames, send_auth
-from workers.context import WorkerContext
-from workers.data_api import DataApi, answer_errors
-from workers.listener import GuardedSite
-from workers.sender import Sender
+from replicator.shared import wire
+from replicator.shared.logs import capture_library_logs, log
+from replicator.shared.store import UnknownDatabase
+from replicator.shared.tls import PeerIdentity, peer_identity
+from replicator.workers import antientropy, blobs, frames, send_auth
+from replicator.workers.context import WorkerContext
+from replicator.workers.data_api import DataApi, answer_errors
+from replicator.workers.listener import GuardedSite
+from replicator.workers.sender import Sender
 
 NOT_REGISTERED = "is not in the registry"
 

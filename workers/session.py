@@ -22,16 +22,16 @@ from typing import Any
 
 import aiohttp
 
-from shared import messages, revocation, wire
-from shared.backoff import Backoff
-from shared.histograms import BATCH_APPLY_SECONDS
-from shared.hlc import physical_seconds
-from shared.logs import log
-from shared.store import BadName, BadRecord
-from shared.tls import PeerIdentity, peer_identity
-from workers import blobs, frames
-from workers.context import SYSTEM, WorkerContext
-from workers.dropped import open_for_subscription
+from replicator.shared import messages, revocation, wire
+from replicator.shared.backoff import Backoff
+from replicator.shared.histograms import BATCH_APPLY_SECONDS
+from replicator.shared.hlc import physical_seconds
+from replicator.shared.logs import log
+from replicator.shared.store import BadName, BadRecord
+from replicator.shared.tls import PeerIdentity, peer_identity
+from replicator.workers import blobs, frames
+from replicator.workers.context import SYSTEM, WorkerContext
+from replicator.workers.dropped import open_for_subscription
 
 HANDSHAKE_TIMEOUT = 15.0
 DIAL_TIMEOUT = 15.0

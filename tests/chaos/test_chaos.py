@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from coordinator.local_cluster import LocalCluster
+from replicator.coordinator.local_cluster import LocalCluster
 from tests.integration.conftest import wait_for
 from tests.integration.proxy import LinkProxy
 

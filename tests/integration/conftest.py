@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.local_cluster import LocalCluster, poll_until
+from replicator.coordinator.local_cluster import LocalCluster, poll_until
 from tests.integration.proxy import LinkProxy
 
 # Short thresholds so that recovery paths run within a test's time; the defaults are the seed's values.

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import msgspec
 
-from coordinator.local_cluster import LocalCluster
+from replicator.coordinator.local_cluster import LocalCluster
 from tests.integration.conftest import FAST, audit_duplicates, wait_for, write_many
 
 INTERVAL = 3.0
@@ -320,8 +320,8 @@ async def test_a_delete_outlives_a_holder_that_missed_it_and_is_purged_once_ever
 
 
 async def test_hostile_anti_entropy_queries_are_refused_with_a_reason(mesh: LocalCluster, tmp_path: Path) -> None:
-    from shared.tls import client_context, issue_node_cert
-    from workers.antientropy import Fetch, Roots, RootsReply, encode
+    from replicator.shared.tls import client_context, issue_node_cert
+    from replicator.workers.antientropy import Fetch, Roots, RootsReply, encode
 
     ca = mesh.dir / "ca"
     url = mesh["a"].url.replace("wss://", "https://") + "/replication/antientropy"

@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from coordinator.local_cluster import LocalCluster
+from replicator.coordinator.local_cluster import LocalCluster
 from tests.integration.conftest import FAST, assert_identical, assert_log_is_json, wait_for
 from tests.integration.test_cli import REPO
 
@@ -160,7 +160,7 @@ async def test_a_restart_of_the_receiver_or_of_the_sender_mid_transfer_resumes(m
 
 def _repair_blobs(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "repair-blobs", *args],
+        [sys.executable, "-m", "replicator.coordinator.cli", "repair-blobs", *args],
         capture_output=True,
         text=True,
         timeout=60,

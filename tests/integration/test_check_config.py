@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.certs_cmd import cmd_init
-from shared.tls import create_ca
+from replicator.coordinator.certs_cmd import cmd_init
+from replicator.shared.tls import create_ca
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def replicator(*args: str, env: dict[str, str] | None = None, stderr: int | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", *args],
+        [sys.executable, "-m", "replicator.coordinator.cli", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE if stderr is None else stderr,
         text=True,
@@ -109,7 +109,7 @@ def test_on_the_journal_the_lines_carry_their_priority(node_config: Path, tmp_pa
         stat = os.fstat(stream.fileno())
         env = {"JOURNAL_STREAM": f"{stat.st_dev}:{stat.st_ino}"}
         subprocess.run(
-            [sys.executable, "-m", "coordinator.cli", "check-config", "--config", str(node_config)],
+            [sys.executable, "-m", "replicator.coordinator.cli", "check-config", "--config", str(node_config)],
             stdout=stream,
             stderr=stream,
             cwd=REPO,
@@ -119,7 +119,7 @@ def test_on_the_journal_the_lines_carry_their_priority(node_config: Path, tmp_pa
         )
         node_config.write_text(node_config.read_text().replace("[node]\n", "[node]\nflavour = 1\n", 1))
         failed = subprocess.run(
-            [sys.executable, "-m", "coordinator.cli", "check-config", "--config", str(node_config)],
+            [sys.executable, "-m", "replicator.coordinator.cli", "check-config", "--config", str(node_config)],
             stdout=stream,
             stderr=stream,
             cwd=REPO,

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.local_cluster import LocalCluster, free_ports
-from shared.tls import create_ca
+from replicator.coordinator.local_cluster import LocalCluster, free_ports
+from replicator.shared.tls import create_ca
 from tests.integration.conftest import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def replicator(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", *args],
+        [sys.executable, "-m", "replicator.coordinator.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -130,7 +130,16 @@ def test_init_then_run_serves_until_sigterm(node_config: Path) -> None:
         int(line.split("=")[1]) for line in node_config.read_text().splitlines() if line.startswith("admin_port =")
     )
     process = subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", "run", "--config", str(node_config), "--log-format", "text"],
+        [
+            sys.executable,
+            "-m",
+            "replicator.coordinator.cli",
+            "run",
+            "--config",
+            str(node_config),
+            "--log-format",
+            "text",
+        ],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -185,7 +194,7 @@ def test_a_loopback_listen_address_with_a_remote_url_warns_at_init_and_at_boot(t
     assert "warning: listen.host 127.0.0.1 is loopback but peers dial 10.0.0.1" in result.stderr
 
     process = subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", "run", "--config", str(config)],
+        [sys.executable, "-m", "replicator.coordinator.cli", "run", "--config", str(config)],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

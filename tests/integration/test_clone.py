@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.local_cluster import LocalCluster, free_ports
-from shared.tls import ca_certificates, create_ca, issue_node_cert, parse_certificates
+from replicator.coordinator.local_cluster import LocalCluster, free_ports
+from replicator.shared.tls import ca_certificates, create_ca, issue_node_cert, parse_certificates
 from tests.integration.conftest import assert_identical, assert_log_is_json, wait_for, write_many
 from tests.integration.test_cli import REPO, replicator
 
@@ -34,7 +34,17 @@ PER_POST = 100  # a body under 1 MiB (aiohttp warns above)
 
 
 def clone_command(leader: str, config: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "coordinator.cli", "clone", "--leader", leader, "--config", str(config), *extra]
+    return [
+        sys.executable,
+        "-m",
+        "replicator.coordinator.cli",
+        "clone",
+        "--leader",
+        leader,
+        "--config",
+        str(config),
+        *extra,
+    ]
 
 
 def run_clone(leader: str, config: Path, *extra: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

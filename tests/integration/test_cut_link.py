@@ -3,7 +3,7 @@ arrives after the heal. The link runs through proxies with TLS host verification
 
 from __future__ import annotations
 
-from coordinator.local_cluster import LocalCluster
+from replicator.coordinator.local_cluster import LocalCluster
 from tests.integration.conftest import wait_for
 
 DATABASE = "cut"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.local_cluster import LocalCluster, LocalNode
+from replicator.coordinator.local_cluster import LocalCluster, LocalNode
 from tests.integration.conftest import FAST, assert_identical, assert_log_is_json, wait_for, write_many
 
 DATABASE = "precious"

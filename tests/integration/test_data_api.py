@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import json
 
-from coordinator.local_cluster import LocalCluster
+from replicator.coordinator.local_cluster import LocalCluster
 
 
 async def _raw(cluster: LocalCluster, method: str, path: str, body: str | None, token: str | None) -> tuple[int, dict]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from coordinator.local_cluster import LocalCluster
+from replicator.coordinator.local_cluster import LocalCluster
 from tests.integration.conftest import FAST, assert_identical, assert_log_is_json, wait_for, write_many
 from tests.integration.test_cli import REPO
 
@@ -107,7 +107,7 @@ async def test_a_deleted_database_leaves_every_node_and_can_be_written_again(mak
 
 def _delete_database(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "delete-database", *args],
+        [sys.executable, "-m", "replicator.coordinator.cli", "delete-database", *args],
         capture_output=True,
         text=True,
         timeout=60,

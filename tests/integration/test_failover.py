@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import signal
 
-from coordinator.local_cluster import LocalCluster
+from replicator.coordinator.local_cluster import LocalCluster
 from tests.integration.conftest import FAST, assert_identical, wait_for, write_many
 
 DATABASE = "routed"

@@ -24,8 +24,8 @@ from typing import Any
 import psutil
 import pytest
 
-from coordinator.local_cluster import HOST, LocalCluster, LocalNode
-from shared.tls import client_context, issue_node_cert
+from replicator.coordinator.local_cluster import HOST, LocalCluster, LocalNode
+from replicator.shared.tls import client_context, issue_node_cert
 from tests.integration.conftest import log_records, wait_for
 
 TOKEN = "s3cret"
@@ -343,7 +343,7 @@ def test_a_node_beyond_loopback_does_not_boot_without_a_token(make_cluster: Call
     node.extra["listen"] = {"host": "0.0.0.0"}
     node.write_config()
     result = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "run", "--config", str(node.config_path)],
+        [sys.executable, "-m", "replicator.coordinator.cli", "run", "--config", str(node.config_path)],
         capture_output=True,
         text=True,
         timeout=60,

@@ -21,10 +21,10 @@ import msgspec
 import pytest
 from aiohttp import web
 
-from coordinator.local_cluster import LocalCluster, free_ports
-from shared import membership, wire
-from shared.store import NodeRow
-from shared.tls import client_context, issue_node_cert, server_context
+from replicator.coordinator.local_cluster import LocalCluster, free_ports
+from replicator.shared import membership, wire
+from replicator.shared.store import NodeRow
+from replicator.shared.tls import client_context, issue_node_cert, server_context
 from tests.integration.conftest import FAST, assert_log_is_json, wait_for
 
 

@@ -19,7 +19,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from coordinator.local_cluster import HOST
+from replicator.coordinator.local_cluster import HOST
 from tests.integration.conftest import wait_for
 
 PRIORITY = {"error": "3", "warning": "4", "info": "6", "debug": "7"}

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from coordinator.local_cluster import LocalCluster, poll_until
+from replicator.coordinator.local_cluster import LocalCluster, poll_until
 
 COUNT = 500
 # Each node holds, per database, a SQLite file with its WAL and shared memory, and a session each way.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from coordinator.local_cluster import LocalCluster
+from replicator.coordinator.local_cluster import LocalCluster
 
 NAMES = ["a", "b", "c"]
 

@@ -10,7 +10,7 @@ import psutil
 from cryptography import x509
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.local_cluster import LocalCluster, free_ports
+from replicator.coordinator.local_cluster import LocalCluster, free_ports
 from tests.integration.conftest import wait_for, write_many
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

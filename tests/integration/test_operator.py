@@ -18,8 +18,8 @@ from pathlib import Path
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.local_cluster import LocalCluster
-from shared.tls import client_context, issue_node_cert
+from replicator.coordinator.local_cluster import LocalCluster
+from replicator.shared.tls import client_context, issue_node_cert
 from tests.integration.conftest import wait_for
 
 CONTRACT_METRICS = {
@@ -156,7 +156,11 @@ async def test_systemd_notify_ready_watchdog_and_stopping(make_cluster, tmp_path
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", *args], capture_output=True, text=True, timeout=60, cwd=REPO
+        [sys.executable, "-m", "replicator.coordinator.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
     )
 
 

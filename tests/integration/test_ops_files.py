@@ -29,10 +29,10 @@ from typing import Any
 
 import pytest
 
-from coordinator.certs_cmd import cmd_init
-from coordinator.node import BOOT_TIMEOUT
-from shared.config import ReplicationSection
-from shared.tls import create_ca
+from replicator.coordinator.certs_cmd import cmd_init
+from replicator.coordinator.node import BOOT_TIMEOUT
+from replicator.shared.config import ReplicationSection
+from replicator.shared.tls import create_ca
 from tests.integration.conftest import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]

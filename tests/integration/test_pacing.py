@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from coordinator.local_cluster import LocalCluster, free_ports
+from replicator.coordinator.local_cluster import LocalCluster, free_ports
 from tests.integration.conftest import wait_for
 
 GHOST = "wss://ghost.invalid:9"

@@ -10,9 +10,9 @@ import msgspec
 import pytest
 from cryptography import x509
 
-from coordinator.local_cluster import LocalCluster
-from shared import revocation, wire
-from shared.tls import client_context, create_ca, issue_node_cert
+from replicator.coordinator.local_cluster import LocalCluster
+from replicator.shared import revocation, wire
+from replicator.shared.tls import client_context, create_ca, issue_node_cert
 from tests.integration.conftest import wait_for
 
 

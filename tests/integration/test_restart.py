@@ -8,7 +8,7 @@ import sqlite3
 
 import psutil
 
-from coordinator.local_cluster import LocalCluster
+from replicator.coordinator.local_cluster import LocalCluster
 from tests.integration.conftest import wait_for
 
 

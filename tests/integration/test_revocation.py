@@ -13,9 +13,9 @@ from typing import Any
 
 import msgspec
 
-from coordinator.local_cluster import LocalCluster
-from shared import revocation
-from shared.tls import create_ca, issue_node_cert
+from replicator.coordinator.local_cluster import LocalCluster
+from replicator.shared import revocation
+from replicator.shared.tls import create_ca, issue_node_cert
 from tests.integration.conftest import FAST, wait_for
 
 DATABASE = "guarded"
@@ -23,7 +23,11 @@ DATABASE = "guarded"
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", *args], capture_output=True, text=True, timeout=60, check=False
+        [sys.executable, "-m", "replicator.coordinator.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
 
 

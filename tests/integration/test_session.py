@@ -12,15 +12,15 @@ from typing import Any
 import aiohttp
 import pytest
 
-from shared import messages
-from shared.config import from_mapping
-from shared.keys import connection_key
-from shared.store import Store
-from shared.tls import client_context, create_ca, issue_node_cert
+from replicator.shared import messages
+from replicator.shared.config import from_mapping
+from replicator.shared.keys import connection_key
+from replicator.shared.store import Store
+from replicator.shared.tls import client_context, create_ca, issue_node_cert
+from replicator.workers.context import WorkerContext
+from replicator.workers.counters import Counters
+from replicator.workers.session import PeerSession, State
 from tests.integration.conftest import wait_for
-from workers.context import WorkerContext
-from workers.counters import Counters
-from workers.session import PeerSession, State
 
 
 class Harness:

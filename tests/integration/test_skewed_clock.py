@@ -14,7 +14,7 @@ import time
 import aiohttp
 import pytest
 
-from coordinator.local_cluster import faketime_env
+from replicator.coordinator.local_cluster import faketime_env
 from tests.integration.conftest import assert_identical, wait_for
 
 DAY_S = 86_400

@@ -7,13 +7,13 @@ import random
 from pathlib import Path
 from typing import Any
 
-from coordinator.local_cluster import free_ports
-from coordinator.supervisor import Supervisor, WorkerHandle
-from shared import config as config_module
-from shared import messages
-from shared.tls import create_ca, issue_node_cert
+from replicator.coordinator.local_cluster import free_ports
+from replicator.coordinator.supervisor import Supervisor, WorkerHandle
+from replicator.shared import config as config_module
+from replicator.shared import messages
+from replicator.shared.tls import create_ca, issue_node_cert
+from replicator.workers.main import EXIT_BOOT_ERROR
 from tests.integration.conftest import wait_for
-from workers.main import EXIT_BOOT_ERROR
 
 
 def _config(tmp_path: Path, key: str) -> bytes:

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from replicator.workers import admission as admission_module
+from replicator.workers.admission import WorkerAdmission
 from tests.unit.fakeloop import VirtualTimeLoop
-from workers import admission as admission_module
-from workers.admission import WorkerAdmission
 
 
 class Readiness:

@@ -10,11 +10,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from shared import digests
-from shared.store import Database, Store
-from shared.wire import Entry
-from tests.unit.test_store import FakeClock
-from workers.antientropy import (
+from replicator.shared import digests
+from replicator.shared.store import Database, Store
+from replicator.shared.wire import Entry
+from replicator.workers.antientropy import (
     BadQuery,
     Children,
     Fetch,
@@ -27,6 +26,7 @@ from workers.antientropy import (
     encode,
     local_transport,
 )
+from tests.unit.test_store import FakeClock
 
 
 class Nodes:

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.backoff import Backoff
+from replicator.shared.backoff import Backoff
 
 
 def draws(*values: float) -> Callable[[], float]:

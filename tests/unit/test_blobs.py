@@ -20,19 +20,19 @@ from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared import blobs
-from shared.config import from_mapping
-from shared.logs import EventLog
-from shared.store import Store
-from shared.wire import Entry
+from replicator.shared import blobs
+from replicator.shared.config import from_mapping
+from replicator.shared.logs import EventLog
+from replicator.shared.store import Store
+from replicator.shared.wire import Entry
+from replicator.workers import blob_repair
+from replicator.workers import blobs as transfer
+from replicator.workers.antientropy import PeerError, Round, local_transport
+from replicator.workers.blob_repair import BlobRepair, Missing
+from replicator.workers.context import WorkerContext
+from replicator.workers.counters import Counters
+from replicator.workers.data_api import DataApi, answer_errors
 from tests.unit.fakeloop import VirtualTimeLoop
-from workers import blob_repair
-from workers import blobs as transfer
-from workers.antientropy import PeerError, Round, local_transport
-from workers.blob_repair import BlobRepair, Missing
-from workers.context import WorkerContext
-from workers.counters import Counters
-from workers.data_api import DataApi, answer_errors
 
 json_values = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(allow_nan=False), st.text()),

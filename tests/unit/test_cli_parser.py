@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from coordinator import cli, inspect
+from replicator.coordinator import cli, inspect
 
 EXIT_CODES = ["0 success", "1 failure", "2 usage or configuration error", "3 boot error"]
 

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from coordinator import clone
-from coordinator.clone import Answer, CloneError, Leader, LeaderInfo, Retry
-from shared.config import PeerSection, from_mapping, load
-from shared.tls import ca_certificates, certificates_pem, create_ca, issue_node_cert, parse_certificates
+from replicator.coordinator import clone
+from replicator.coordinator.clone import Answer, CloneError, Leader, LeaderInfo, Retry
+from replicator.shared.config import PeerSection, from_mapping, load
+from replicator.shared.tls import ca_certificates, certificates_pem, create_ca, issue_node_cert, parse_certificates
 from tests.unit.fakeloop import VirtualTimeLoop
 
 URL = "http://10.0.0.1:9926"
@@ -392,7 +392,7 @@ def test_a_node_that_stops_before_the_copy_completes_gives_its_exit_code(loop: V
 def test_the_route_to_the_leader_survives_a_reload_until_the_file_has_its_own(
     loop: VirtualTimeLoop, tmp_path: Path
 ) -> None:
-    from coordinator.node import Node
+    from replicator.coordinator.node import Node
     from tests.unit.test_coordinator import FakeSupervisor
 
     path = tmp_path / "c.toml"

@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from shared import wire
-from shared.backoff import Backoff
-from shared.store import BadRecord
+from replicator.shared import wire
+from replicator.shared.backoff import Backoff
+from replicator.shared.store import BadRecord
+from replicator.workers.counters import Counters
+from replicator.workers.session import PeerSession
 from tests.unit.fakeloop import VirtualTimeLoop
-from workers.counters import Counters
-from workers.session import PeerSession
 
 
 class FlakyDatabase:

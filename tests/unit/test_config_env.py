@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from shared import config as config_module
-from shared.config import NOT_CONFIG_VARIABLES, ConfigError, from_mapping
+from replicator.shared import config as config_module
+from replicator.shared.config import NOT_CONFIG_VARIABLES, ConfigError, from_mapping
 
 BASE: dict[str, Any] = {"node": {"name": "a", "url": "wss://127.0.0.1:9925"}}
 

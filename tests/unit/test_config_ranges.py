@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.config import (
+from replicator.shared.config import (
     Config,
     ConfigError,
     DataSection,

@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
-from coordinator.node import Node
-from coordinator.registry import NodeView
-from coordinator.replication_map import PairState, StallWatch, should_fire_stall_kick
-from shared import messages
-from shared.config import from_mapping
-from shared.keys import connection_key
+from replicator.coordinator.node import Node
+from replicator.coordinator.registry import NodeView
+from replicator.coordinator.replication_map import PairState, StallWatch, should_fire_stall_kick
+from replicator.shared import messages
+from replicator.shared.config import from_mapping
+from replicator.shared.keys import connection_key
 from tests.unit.fakeloop import VirtualTimeLoop
 
 STAGGER = 0.05
@@ -446,9 +446,9 @@ def test_dropping_an_entry_mid_redrive_cancels_its_timer_and_frees_its_slot(loop
 def test_a_registry_update_adding_several_pairs_dispatches_them_stagger_apart(
     loop: VirtualTimeLoop, tmp_path: Any
 ) -> None:
-    from shared import membership, revocation
-    from shared.store import NodeRow, Store
-    from shared.tls import create_ca, issue_node_cert
+    from replicator.shared import membership, revocation
+    from replicator.shared.store import NodeRow, Store
+    from replicator.shared.tls import create_ca, issue_node_cert
 
     create_ca(tmp_path / "ca")
     node, supervisor = make_node(loop)
@@ -538,7 +538,7 @@ def test_wedge_redrives_registry_setups_and_a_stale_sweep_share_one_ladder(loop:
 
 
 def test_the_registry_watcher_restarts_on_the_schedule(loop: VirtualTimeLoop, tmp_path: Any) -> None:
-    from shared.store import Store
+    from replicator.shared.store import Store
 
     node, _ = make_node(loop)
     node.store = Store(tmp_path, "self")
@@ -601,7 +601,7 @@ def test_the_wedge_clock_of_a_pair_that_never_connected_starts_at_its_latest_dis
 
 
 def test_tombstones_wait_for_every_holder_and_the_retention(loop: VirtualTimeLoop, tmp_path: Any) -> None:
-    from shared.store import Store
+    from replicator.shared.store import Store
 
     node, _ = make_node(loop)
     node.store = Store(tmp_path, "self")
@@ -636,7 +636,7 @@ def test_a_slow_copy_is_warned_about_once_per_session(
 ) -> None:
     import json
 
-    from shared import messages
+    from replicator.shared import messages
 
     node, _ = make_node(loop)
     pair = PairState(

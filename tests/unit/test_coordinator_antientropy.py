@@ -16,15 +16,15 @@ from typing import Any
 
 import pytest
 
-from coordinator import antientropy as antientropy_module
-from coordinator.admin import status_document
-from coordinator.antientropy import AntiEntropy, Phase
-from coordinator.node import Node
-from coordinator.registry import NodeView
-from shared import messages
-from shared.keys import connection_key
-from shared.logs import EventLog
-from shared.store import Store
+from replicator.coordinator import antientropy as antientropy_module
+from replicator.coordinator.admin import status_document
+from replicator.coordinator.antientropy import AntiEntropy, Phase
+from replicator.coordinator.node import Node
+from replicator.coordinator.registry import NodeView
+from replicator.shared import messages
+from replicator.shared.keys import connection_key
+from replicator.shared.logs import EventLog
+from replicator.shared.store import Store
 from tests.unit.fakeloop import VirtualTimeLoop
 from tests.unit.test_coordinator import FakeSupervisor, add, make_node, peer
 from tests.unit.test_coordinator import connect as connect_only

@@ -24,12 +24,12 @@ from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.config import from_mapping
-from shared.logs import capture_library_logs, log
-from shared.store import Store
-from workers.context import WorkerContext
-from workers.counters import Counters
-from workers.data_api import (
+from replicator.shared.config import from_mapping
+from replicator.shared.logs import capture_library_logs, log
+from replicator.shared.store import Store
+from replicator.workers.context import WorkerContext
+from replicator.workers.counters import Counters
+from replicator.workers.data_api import (
     MAX_DEPTH,
     MAX_ID_LENGTH,
     BadRequest,

@@ -19,11 +19,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared import digests, hlc
-from shared.store import DamagedRecord, Database, Store
-from shared.wire import Entry
+from replicator.shared import digests, hlc
+from replicator.shared.store import DamagedRecord, Database, Store
+from replicator.shared.wire import Entry
+from replicator.workers.antientropy import Round, local_transport
 from tests.unit.test_store import FakeClock
-from workers.antientropy import Round, local_transport
 
 IDS = [f"k{i}" for i in range(12)]
 

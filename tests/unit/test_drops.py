@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from coordinator.drops import RESEND, Drops
-from coordinator.node import Node
-from shared import dropped, messages
-from shared.store import SYSTEM, DatabaseRemoving, Store
+from replicator.coordinator.drops import RESEND, Drops
+from replicator.coordinator.node import Node
+from replicator.shared import dropped, messages
+from replicator.shared.store import SYSTEM, DatabaseRemoving, Store
 from tests.unit.fakeloop import VirtualTimeLoop
 from tests.unit.test_coordinator import FakeSupervisor, add, make_node, peer
 from tests.unit.test_store import FakeClock, rec

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.filecheck import DamagedFiles, check_databases, check_file, database_files, probe_write
-from shared.store import Store
+from replicator.coordinator.filecheck import DamagedFiles, check_databases, check_file, database_files, probe_write
+from replicator.shared.store import Store
 
 WALL = 1_700_000_000.0  # 2023-11-14T22:13:20Z
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.certs_cmd import cmd_init
-from coordinator.reachability import listen_host_for, unreachable_from_peers
-from shared.config import load
-from shared.tls import create_ca
+from replicator.coordinator.certs_cmd import cmd_init
+from replicator.coordinator.reachability import listen_host_for, unreachable_from_peers
+from replicator.shared.config import load
+from replicator.shared.tls import create_ca
 
 
 @pytest.fixture

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import json
 
-from coordinator.inspect import render_status, render_verify, status_problems, status_summary, verify_document
+from replicator.coordinator.inspect import (
+    render_status,
+    render_verify,
+    status_problems,
+    status_summary,
+    verify_document,
+)
 
 
 def test_status_names_failed_over_origins_and_recovering_databases() -> None:

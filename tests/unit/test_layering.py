@@ -17,13 +17,19 @@ REPO = Path(__file__).resolve().parents[2]
 CHECK = """
 import importlib, sys
 importlib.import_module(sys.argv[1])
-print("coordinator.node" in sys.modules)
+print("replicator.coordinator.node" in sys.modules)
 """
 
 
 @pytest.mark.parametrize(
     "module",
-    ["coordinator.admin", "coordinator.antientropy", "coordinator.drops", "coordinator.metrics", "coordinator.scaling"],
+    [
+        "replicator.coordinator.admin",
+        "replicator.coordinator.antientropy",
+        "replicator.coordinator.drops",
+        "replicator.coordinator.metrics",
+        "replicator.coordinator.scaling",
+    ],
 )
 def test_a_module_the_node_builds_imports_alone_without_the_node(module: str) -> None:
     result = subprocess.run(

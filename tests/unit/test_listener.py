@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workers.listener import LIMIT_PER_CLIENT, LIMIT_TOTAL, ConnectionLimits
+from replicator.workers.listener import LIMIT_PER_CLIENT, LIMIT_TOTAL, ConnectionLimits
 
 addresses = st.sampled_from(["10.0.0.1", "10.0.0.2", "::1", ""])
 steps = st.lists(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.logs import EventLog, bridge_logging, is_journal, level_name
+from replicator.shared.logs import EventLog, bridge_logging, is_journal, level_name
 
 
 class Clock:

@@ -10,12 +10,12 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from shared import membership, revocation
-from shared.membership import INTRODUCTIONS, NODES, BadRow, Signer, Verifier, signed_entry
-from shared.store import Database, NodeRow, Store
-from shared.tls import PeerIdentity, create_ca, issue_node_cert, peer_identity
-from shared.wire import Entry
-from workers.antientropy import Round, local_transport
+from replicator.shared import membership, revocation
+from replicator.shared.membership import INTRODUCTIONS, NODES, BadRow, Signer, Verifier, signed_entry
+from replicator.shared.store import Database, NodeRow, Store
+from replicator.shared.tls import PeerIdentity, create_ca, issue_node_cert, peer_identity
+from replicator.shared.wire import Entry
+from replicator.workers.antientropy import Round, local_transport
 
 V = 1_700_000_000_000_000  # a version: microseconds since the epoch
 

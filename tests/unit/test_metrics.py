@@ -22,15 +22,15 @@ from aiohttp import WSMsgType
 from cryptography import x509
 from prometheus_client.parser import text_string_to_metric_families
 
-from coordinator.node import Node
-from shared import messages, wire
-from shared.histograms import BATCH_APPLY_SECONDS, BUCKETS, bucket
-from shared.keys import connection_key
-from shared.tls import create_ca, issue_node_cert
+from replicator.coordinator.node import Node
+from replicator.shared import messages, wire
+from replicator.shared.histograms import BATCH_APPLY_SECONDS, BUCKETS, bucket
+from replicator.shared.keys import connection_key
+from replicator.shared.tls import create_ca, issue_node_cert
+from replicator.workers import frames
+from replicator.workers.counters import Counters
 from tests.unit.fakeloop import VirtualTimeLoop
 from tests.unit.test_coordinator import add, connect, make_node, peer
-from workers import frames
-from workers.counters import Counters
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

@@ -16,10 +16,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.store import Database, Store
-from shared.wire import Entry
+from replicator.shared.store import Database, Store
+from replicator.shared.wire import Entry
+from replicator.workers.sender import OriginPlan
 from tests.unit.test_store import FakeClock
-from workers.sender import OriginPlan
 
 EVERYTHING = 1_000_000
 NOTHING: frozenset[str] = frozenset()

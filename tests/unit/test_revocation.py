@@ -7,9 +7,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from shared import revocation
-from shared.tls import PeerIdentity, create_ca
-from shared.wire import Entry
+from replicator.shared import revocation
+from replicator.shared.tls import PeerIdentity, create_ca
+from replicator.shared.wire import Entry
 
 
 @pytest.fixture

@@ -6,9 +6,9 @@ import itertools
 
 import pytest
 
-from coordinator.routing import Mode, Router
-from shared import messages
-from shared.keys import connection_key
+from replicator.coordinator.routing import Mode, Router
+from replicator.shared import messages
+from replicator.shared.keys import connection_key
 from tests.unit.fakeloop import VirtualTimeLoop
 from tests.unit.test_coordinator import add, connect, make_node, peer
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.sd_notify import Notifier, status_text
+from replicator.coordinator.sd_notify import Notifier, status_text
 from tests.unit.fakeloop import VirtualTimeLoop
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+from replicator.workers import send_auth
 from tests.unit.fakeloop import VirtualTimeLoop
-from workers import send_auth
 
 MISSING = "certificate name 'c' is not in the registry"
 

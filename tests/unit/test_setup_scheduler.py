@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from coordinator.setup_scheduler import SetupScheduler, Sweep
+from replicator.coordinator.setup_scheduler import SetupScheduler, Sweep
 from tests.unit.fakeloop import VirtualTimeLoop
 
 REPO = Path(__file__).resolve().parents[2]
@@ -501,7 +501,7 @@ def test_sweep_tokens_do_not_grow_or_outlive_their_setups(loop: VirtualTimeLoop)
 
 EXIT_SCRIPT = """
 import asyncio
-from coordinator.setup_scheduler import SetupScheduler
+from replicator.coordinator.setup_scheduler import SetupScheduler
 
 async def main():
     loop = asyncio.get_running_loop()

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from shared import hlc
-from shared.store import (
+from replicator.shared import hlc
+from replicator.shared.store import (
     BadName,
     BadRecord,
     Database,
@@ -20,7 +20,7 @@ from shared.store import (
     Store,
     UnknownDatabase,
 )
-from shared.wire import Entry
+from replicator.shared.wire import Entry
 
 T0 = 1_700_000_000.0
 MAX = hlc.MAX_VERSION

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from shared import dropped
-from shared.store import SYSTEM, BadRecord, Database, DatabaseRemoving, Store, UnknownDatabase
-from shared.wire import Entry
+from replicator.shared import dropped
+from replicator.shared.store import SYSTEM, BadRecord, Database, DatabaseRemoving, Store, UnknownDatabase
+from replicator.shared.wire import Entry
+from replicator.workers.dropped import DroppedDatabase
 from tests.unit.test_store import FakeClock, rec
-from workers.dropped import DroppedDatabase
 
 
 @pytest.fixture

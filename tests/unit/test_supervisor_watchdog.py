@@ -10,10 +10,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from coordinator.node import Node
-from coordinator.supervisor import PauseMonitor, Supervisor, WorkerHandle
-from shared import messages
-from shared.config import from_mapping
+from replicator.coordinator.node import Node
+from replicator.coordinator.supervisor import PauseMonitor, Supervisor, WorkerHandle
+from replicator.shared import messages
+from replicator.shared.config import from_mapping
 from tests.unit.fakeloop import VirtualTimeLoop
 
 TIMEOUT = 10.0  # replication.heartbeat_timeout

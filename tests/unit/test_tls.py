@@ -19,9 +19,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from coordinator.certs_cmd import cmd_certs_ca, cmd_certs_node, cmd_init
-from shared.config import load, resolve_path
-from shared.tls import (
+from replicator.coordinator.certs_cmd import cmd_certs_ca, cmd_certs_node, cmd_init
+from replicator.shared.config import load, resolve_path
+from replicator.shared.tls import (
     PeerIdentity,
     TlsConfigError,
     client_context,

@@ -12,7 +12,7 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared import wire
+from replicator.shared import wire
 
 MESSAGES = (wire.Hello, wire.Subscribe, wire.Schema, wire.Batch, wire.Ack, wire.Holds)
 TAGS = ["hello", "subscribe", "schema", "batch", "ack", "holds", "teleport", "", None, 7]
