@@ -48,6 +48,19 @@ def _error(status: int, message: str) -> web.Response:
     return _reply({"error": message}, status)
 
 
+def _timeout(request: web.Request, default: float | None) -> float | web.Response | None:
+    """The request's `?timeout=SECONDS` (in (0, MAX_WAIT]), `default` without one, or the 400 that refuses it."""
+    if "timeout" not in request.query:
+        return default
+    try:
+        timeout = float(request.query["timeout"])
+    except ValueError:
+        timeout = -1.0
+    if not 0 < timeout <= MAX_WAIT:
+        return _error(400, f"bad timeout {request.query['timeout'][:40]!r}: seconds in (0, {MAX_WAIT:g}]")
+    return timeout
+
+
 class NodeUpdate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     url: str
     databases: list[str] = msgspec.field(default_factory=lambda: ["*"])
@@ -269,14 +282,9 @@ class AdminServer:
                 return _error(400, f"bad database name {name[:80]!r}: use 1 to 64 of A-Z a-z 0-9 _ -")
             if name not in self._node.holds:
                 return _error(404, f"this node does not hold database {name!r}")
-        timeout: float | None = None
-        if "timeout" in request.query:
-            try:
-                timeout = float(request.query["timeout"])
-            except ValueError:
-                timeout = -1.0
-            if not 0 < timeout <= MAX_WAIT:
-                return _error(400, f"bad timeout {request.query['timeout'][:40]!r}: seconds in (0, {MAX_WAIT:g}]")
+        timeout = _timeout(request, None)
+        if isinstance(timeout, web.Response):
+            return timeout
         reports = await self._node.antientropy.run_now(name, timeout)
         return _reply(
             {"rounds": [report.summary() for report in reports], "repaired": sum(r.repaired for r in reports)}
@@ -288,14 +296,10 @@ class AdminServer:
             return _error(400, f"bad database name {name[:80]!r}: use 1 to 64 of A-Z a-z 0-9 _ -")
         if name not in self._node.holds:
             return _error(404, f"this node does not hold database {name!r}")
-        timeout = MAX_WAIT
-        if "timeout" in request.query:
-            try:
-                timeout = float(request.query["timeout"])
-            except ValueError:
-                timeout = -1.0
-            if not 0 < timeout <= MAX_WAIT:
-                return _error(400, f"bad timeout {request.query['timeout'][:40]!r}: seconds in (0, {MAX_WAIT:g}]")
+        timeout = _timeout(request, MAX_WAIT)
+        if isinstance(timeout, web.Response):
+            return timeout
+        assert timeout is not None
         try:
             answer = await self._node.blob_repairs.run(name, timeout)
         except NoWorker as exc:

@@ -146,17 +146,7 @@ def test_init_then_run_serves_until_sigterm(node_config: Path) -> None:
         text=True,
     )
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/readyz", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            assert process.poll() is None, "node exited before it was ready"
-            assert time.monotonic() < deadline, "node not ready in 60 s"
-            time.sleep(0.1)
+        _wait_answering(process, admin_port, "/readyz")
         process.send_signal(signal.SIGTERM)
         _, errors = process.communicate(timeout=15)
         assert process.returncode == 0
@@ -201,17 +191,7 @@ def test_a_loopback_listen_address_with_a_remote_url_warns_at_init_and_at_boot(t
         text=True,
     )
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/healthz", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            assert process.poll() is None, "node exited before its admin port answered"
-            assert time.monotonic() < deadline, "admin port not answering in 60 s"
-            time.sleep(0.1)
+        _wait_answering(process, admin_port, "/healthz")
         process.send_signal(signal.SIGTERM)
         _, errors = process.communicate(timeout=30)
     finally:
@@ -270,3 +250,18 @@ async def test_status_check_and_verify_json_for_scripts(make_cluster: Callable[.
         assert result.returncode == 1 and "cannot reach" in result.stderr
     finally:
         await cluster.close()
+
+
+def _wait_answering(process: subprocess.Popen[str], admin_port: int, path: str, timeout: float = 60.0) -> None:
+    """Poll the node's admin `path` until it answers 200; fail if the node exits first or the deadline passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}{path}", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        assert process.poll() is None, f"node exited before {path} answered"
+        assert time.monotonic() < deadline, f"{path} not answering in {timeout:g} s"
+        time.sleep(0.1)
