@@ -19,6 +19,7 @@ DELETE /databases/{name}   delete a database cluster-wide (shared.dropped): {"na
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 import msgspec
@@ -29,7 +30,7 @@ from replicator.coordinator.blob_repairs import NoWorker, WorkerExited
 from replicator.coordinator.filecheck import WriteProbe
 from replicator.coordinator.view import AdminView
 from replicator.shared import config as config_module
-from replicator.shared import membership, revocation
+from replicator.shared import membership, memory, revocation
 from replicator.shared.config import DATABASE_PATTERN_RE, NAME_RE
 from replicator.shared.keys import normalize_url
 from replicator.shared.logs import capture_library_logs, log
@@ -328,6 +329,7 @@ def status_document(node: AdminView) -> dict[str, Any]:
             "pid": handle.pid if handle.alive else None,
             "ready": handle.alive and handle.ready,
             "rss_bytes": handle.rss_bytes if handle.alive else 0,
+            "pss_bytes": (memory.pss_bytes(handle.pid) or 0) if handle.alive and handle.pid else 0,
             "restarts": handle.restarts,
             "exit_code": handle.exit_code,
             "boot_error": handle.boot_error or None,
@@ -366,6 +368,9 @@ def status_document(node: AdminView) -> dict[str, Any]:
         connections.append({"peer": entry.peer, "url": entry.url, "worker": entry.worker, "databases": databases})
     return {
         "node": node.name,
+        # What the node takes from the machine: PSS shares each page among the processes that map it.
+        "coordinator": {"pid": os.getpid(), "pss_bytes": memory.pss_bytes(os.getpid()) or 0},
+        "pss_total_bytes": (memory.pss_bytes(os.getpid()) or 0) + sum(w["pss_bytes"] for w in workers),
         "url": node.config.node.url,
         "ready": node.supervisor.all_ready(),
         "holds": sorted(node.holds),

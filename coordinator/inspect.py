@@ -109,7 +109,8 @@ def render_status(body: dict[str, Any], now: float = 0.0) -> str:
     lines = [
         f"node {body.get('node')}  {body.get('url')}",
         f"workers ready {ready}/{len(workers)}   pairs connected {connected}/{len(pairs)}   "
-        f"setups pending {body.get('setup_pending', 0)}",
+        f"setups pending {body.get('setup_pending', 0)}"
+        + (f"   memory {body['pss_total_bytes'] / 2**20:.1f} MiB (PSS)" if body.get("pss_total_bytes") else ""),
         "",
         _table(
             ["worker", "pid", "ready", "rss MiB", "restarts"],

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.metadata
 import itertools
 import math
+import os
 import platform
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
@@ -37,6 +38,7 @@ from prometheus_client.utils import floatToGoString
 
 from replicator.coordinator.view import MetricsView
 from replicator.shared import config as config_module
+from replicator.shared import memory
 from replicator.shared.histograms import BATCH_APPLY_SECONDS, BUCKETS
 from replicator.shared.logs import log
 from replicator.shared.messages import CounterDelta, HistogramDelta
@@ -384,6 +386,19 @@ class _StateCollector(Collector):
             if handle.alive:
                 rss.add_metric([str(slot)], handle.rss_bytes)
         yield rss
+        pss = GaugeMetricFamily(
+            "replicator_worker_pss_bytes",
+            "Proportional set size of each worker: its private pages and its share of the shared ones",
+            labels=["worker"],
+        )
+        for slot, handle in sorted(node.supervisor.workers.items()):
+            found = memory.pss_bytes(handle.pid) if handle.alive and handle.pid else None
+            if found is not None:
+                pss.add_metric([str(slot)], found)
+        yield pss
+        own = memory.pss_bytes(os.getpid())
+        if own is not None:
+            yield _gauge("replicator_coordinator_pss_bytes", "Proportional set size of the coordinator", own)
         yield from self._processes.collect(node.supervisor.workers)
         yield _certificate_expiry(node)
         connected = GaugeMetricFamily(

@@ -88,6 +88,16 @@ async def test_process_certificate_and_build_series(make_cluster: Any) -> None:
             assert cpu is not None and 0 < cpu <= times.user + times.system
         assert (value(samples, "process_open_fds") or 0) > 0  # the coordinator itself
 
+        # PSS: each worker's share is positive and at most its RSS; /status adds up what the node takes.
+        for worker in status["workers"]:
+            pss = value(samples, "replicator_worker_pss_bytes", worker=str(worker["id"]))
+            assert pss is not None and 0 < pss <= psutil.Process(worker["pid"]).memory_info().rss
+            assert 0 < worker["pss_bytes"] <= psutil.Process(worker["pid"]).memory_info().rss
+        coordinator = status["coordinator"]
+        assert coordinator["pid"] == cluster["a"].process.pid and coordinator["pss_bytes"] > 0
+        assert (value(samples, "replicator_coordinator_pss_bytes") or 0) > 0
+        assert status["pss_total_bytes"] == coordinator["pss_bytes"] + sum(w["pss_bytes"] for w in status["workers"])
+
         node_cert = x509.load_pem_x509_certificate((cluster["a"].dir / "a.pem").read_bytes())
         ca_cert = x509.load_pem_x509_certificate((cluster.dir / "ca" / "ca.pem").read_bytes())
         name = "replicator_certificate_expiry_timestamp_seconds"

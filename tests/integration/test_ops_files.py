@@ -86,6 +86,9 @@ EXPORTED: dict[str, frozenset[str]] = {
     "replicator_copy_remaining_records": frozenset({"peer", "database"}),
     "replicator_records_received_total": frozenset({"database", "peer"}),
     "replicator_commit_retries_total": frozenset({"database"}),
+    # Issue 12: what a node really costs (proportional set size).
+    "replicator_worker_pss_bytes": frozenset({"worker"}),
+    "replicator_coordinator_pss_bytes": frozenset(),
     # Issue 10: blobs applied without their file.
     "replicator_blobs_missing_total": frozenset({"database"}),
     # Issue 11: build, traffic, commit and setup times, worker processes, certificates.
