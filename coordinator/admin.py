@@ -278,11 +278,8 @@ class AdminServer:
 
     async def antientropy(self, request: web.Request) -> web.Response:
         name = request.match_info.get("database")
-        if name is not None:
-            if not NAME_RE.match(name):
-                return _error(400, f"bad database name {name[:80]!r}: use 1 to 64 of A-Z a-z 0-9 _ -")
-            if name not in self._node.holds:
-                return _error(404, f"this node does not hold database {name!r}")
+        if name is not None and (refused := self._unheld(name)) is not None:
+            return refused
         timeout = _timeout(request, None)
         if isinstance(timeout, web.Response):
             return timeout
@@ -291,12 +288,18 @@ class AdminServer:
             {"rounds": [report.summary() for report in reports], "repaired": sum(r.repaired for r in reports)}
         )
 
-    async def repair_blobs(self, request: web.Request) -> web.Response:
-        name = request.match_info["database"]
+    def _unheld(self, name: str) -> web.Response | None:
+        """The 400 for a bad database name, or the 404 for a database this node does not hold; None if it holds it."""
         if not NAME_RE.match(name):
             return _error(400, f"bad database name {name[:80]!r}: use 1 to 64 of A-Z a-z 0-9 _ -")
         if name not in self._node.holds:
             return _error(404, f"this node does not hold database {name!r}")
+        return None
+
+    async def repair_blobs(self, request: web.Request) -> web.Response:
+        name = request.match_info["database"]
+        if (refused := self._unheld(name)) is not None:
+            return refused
         timeout = _timeout(request, MAX_WAIT)
         if isinstance(timeout, web.Response):
             return timeout
