@@ -29,10 +29,10 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
+# Every benchmark, one after the other; writes benchmarks/RESULTS.md. `make bench BENCH_ARGS=--quick` for smoke sizes.
 bench: $(STAMP)
-	$(BIN)/python benchmarks/setup_storm.py
-	$(BIN)/python benchmarks/replication_throughput.py
-	$(BIN)/python benchmarks/antientropy.py
+	$(BIN)/pip install --quiet -e '.[test,bench]'
+	$(BIN)/python benchmarks/run_all.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

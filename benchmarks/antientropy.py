@@ -22,7 +22,7 @@ on the write path; prints JSON.
     the store's raw write rate (put_many, batches of 500 records of 200 bytes, a fresh database) and its apply
     rate (apply_batch of 500-record batches of another node's origin_entries, with marks: the replicated
     writes), at this tree and at `--baseline REV` (default 1d4d3a0, the commit before the digests), side by
-    side: REV is checked out into a temporary detached worktree (removed afterwards) and every measurement runs
+    side: the files of REV are extracted into a temporary directory (removed afterwards) and every measurement runs
     in a child process of this script with PYTHONPATH (and the working directory) at the tree under test,
     alternating baseline, current, baseline, current... (`--repeat` rounds) so a noisy machine's drift spreads
     over both. Reported: every run, the median records/s of each side, their ratio current / baseline, and
@@ -56,7 +56,11 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness
+
+REPO = harness.REPO
 DATABASE = "bench"
 TABLE = "items"
 RECORD_BYTES = 100
@@ -307,10 +311,6 @@ def measure_writes(code: Path, records: int) -> dict:
     }
 
 
-def _git(*args: str) -> str:
-    return subprocess.run(["git", "-C", str(REPO), *args], check=True, capture_output=True, text=True).stdout.strip()
-
-
 def _run_side(code: Path, records: int) -> dict:
     command = [
         sys.executable,
@@ -328,19 +328,12 @@ def _run_side(code: Path, records: int) -> dict:
 
 
 def write_path(baseline: str, records: int, repeat: int) -> dict:
-    baseline_rev = _git("rev-parse", "--verify", f"{baseline}^{{commit}}")
-    current_rev = _git("describe", "--always", "--dirty", "--abbrev=12")
+    baseline_rev, current_rev = harness.revisions(baseline)
     runs: dict[str, list[dict]] = {"baseline": [], "current": []}
-    holder = Path(tempfile.mkdtemp(prefix="replicator-ae-baseline-"))
-    tree = holder / "tree"
-    _git("worktree", "add", "--detach", str(tree), baseline_rev)
-    try:
+    with harness.baseline_tree(baseline_rev) as tree:
         for _ in range(repeat):
             runs["baseline"].append(_run_side(tree, records))
             runs["current"].append(_run_side(REPO, records))
-    finally:
-        _git("worktree", "remove", "--force", str(tree))
-        holder.rmdir()
     result: dict[str, Any] = {
         "records": records,
         "value_bytes": WRITE_BYTES,

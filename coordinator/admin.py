@@ -369,11 +369,18 @@ def status_document(node: AdminView) -> dict[str, Any]:
                 }
             )
         connections.append({"peer": entry.peer, "url": entry.url, "worker": entry.worker, "databases": databases})
+    coordinator = {"pid": os.getpid(), "pss_bytes": memory.pss_bytes(os.getpid()) or 0}
+    # The other processes the coordinator started (multiprocessing's resource tracker) are the node's too.
+    worker_pids = [handle.pid for handle in node.supervisor.workers.values() if handle.pid]
+    helpers = [
+        {"pid": pid, "pss_bytes": memory.pss_bytes(pid) or 0} for pid in memory.helpers(os.getpid(), worker_pids)
+    ]
     return {
         "node": node.name,
         # What the node takes from the machine: PSS shares each page among the processes that map it.
-        "coordinator": {"pid": os.getpid(), "pss_bytes": memory.pss_bytes(os.getpid()) or 0},
-        "pss_total_bytes": (memory.pss_bytes(os.getpid()) or 0) + sum(w["pss_bytes"] for w in workers),
+        "coordinator": coordinator,
+        "helpers": helpers,
+        "pss_total_bytes": sum(p["pss_bytes"] for p in [coordinator, *helpers, *workers]),
         "url": node.config.node.url,
         "ready": node.supervisor.all_ready(),
         "holds": sorted(node.holds),

@@ -66,7 +66,7 @@ SAMPLED_EVENTS = (
     "commit_retry",
 )
 # The caps a refused connection names (workers.listener); their counters start at 0 so a rate exists.
-CONNECTION_LIMITS = ("max_connections", "max_connections_per_client")
+CONNECTION_LIMITS = ("max_connections", "max_connections_per_client", "max_handshakes")
 ANTIENTROPY_COUNTERS = (
     "replicator_antientropy_rounds_total",
     "replicator_antientropy_failures_total",
@@ -112,6 +112,12 @@ class Metrics:
                 ["peer"],
                 registry=registry,
             ),
+            "replicator_redials_deferred_total": Counter(
+                "replicator_redials_deferred_total",
+                "Outbound redials that waited for the peer's redial budget (replication.redial_rate)",
+                ["peer"],
+                registry=registry,
+            ),
             "replicator_records_applied_total": Counter(
                 "replicator_records_applied_total",
                 "Records from peers that won and were applied",
@@ -128,6 +134,12 @@ class Metrics:
                 "replicator_commit_retries_total",
                 "Batches from peers whose commit failed (a busy or full disk) and was tried again",
                 ["database"],
+                registry=registry,
+            ),
+            "replicator_commits_caught_by_poll_total": Counter(
+                "replicator_commits_caught_by_poll_total",
+                "Commits that reached the waiting senders through the slow safety poll, not a notification"
+                " (a lost doorbell, or a write made from outside the node)",
                 registry=registry,
             ),
             "replicator_records_sent_total": Counter(
@@ -261,7 +273,7 @@ class Metrics:
                     log.warning("metric_unknown", name=delta.name)
                 continue
             if delta.value > 0:
-                counter.labels(*delta.labels).inc(delta.value)
+                (counter.labels(*delta.labels) if delta.labels else counter).inc(delta.value)
 
     def apply_histograms(self, deltas: list[HistogramDelta]) -> None:
         for delta in deltas:
@@ -277,6 +289,7 @@ class Metrics:
         # Every wanted pair has its counters from the start, at 0, so rate() works before the first record.
         for entry in self._node.map:
             self._fed["replicator_reconnect_attempts_total"].labels(entry.peer)
+            self._fed["replicator_redials_deferred_total"].labels(entry.peer)
             self._fed["replicator_bytes_sent_total"].labels(entry.peer)
             self._fed["replicator_bytes_received_total"].labels(entry.peer)
             self._setup_connected.labels(entry.peer)

@@ -18,7 +18,7 @@ import random
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgspec
@@ -42,6 +42,8 @@ from replicator.shared.backoff import Backoff
 from replicator.shared.config import Config, ConfigError, PeerSection
 from replicator.shared.keys import connection_key, normalize_url
 from replicator.shared.logs import log
+from replicator.shared.memory import Trimmer
+from replicator.shared.notify import Doorbell
 from replicator.shared.store import Database, NodeRow, Store, UnknownDatabase
 from replicator.shared.tls import PeerIdentity, TlsConfigError, server_context
 
@@ -88,6 +90,7 @@ class Node:
         self.metrics = Metrics(self)
         self.notifier = Notifier.from_environment()
         self.store: Store | None = None
+        self.doorbell: Doorbell | None = None
         self.supervisor = supervisor or Supervisor(
             lambda: config_module.encode(self.config),
             self.on_worker_message,
@@ -122,6 +125,11 @@ class Node:
         self.regressions: dict[str, int] = {}  # database -> the floor of its latest regression (see Database.regress)
         self.regressed_at: dict[str, float] = {}  # only sessions connected after it count for that recovery
         self._registry_synced = False
+        # The next registry pass looks at every node again, not only at those whose view changed (sync_registry).
+        self._sync_all = True
+        # A database was opened: the own row (which lists what the node holds) is written on the registry loop's
+        # next turn, so a burst of new databases is one row, not one row (and one registry change) each.
+        self._own_row_stale = False
         # The views were built from a registry this node holds whole (its system database is not recovering):
         # only then can "no peer holds this database" be believed.
         self._registry_trusted = False
@@ -140,6 +148,8 @@ class Node:
         self._admin: AdminServer | None = None
         # Time this process itself did not run is not time the workers were silent (the heartbeat watchdog).
         self.pauses = PauseMonitor(self.loop)
+        # Idle databases' page caches and the allocator's free pages go back to the OS (shared.memory).
+        self.trimmer = Trimmer(lambda: self.store.trim() if self.store is not None else 0, loop=self.loop)
 
     def _new_scheduler(self) -> SetupScheduler:
         rep = self.config.replication
@@ -231,6 +241,10 @@ class Node:
         log.info("database_files_checked", files=checked, check="integrity" if self._check_integrity else "quick")
         try:
             self.store = Store(directory, self.name, clock_lead=config.replication.max_clock_skew)
+            # Registry rows and drops committed here wake the workers' senders (shared.notify).
+            self.doorbell = Doorbell(directory, hears=False)
+            self.store.on_commit = self.doorbell.ring
+            self.supervisor.doorbell = self.doorbell
             system = self.system()
             for damage in moved:
                 # Created empty, it starts recovering: the peers serve it back.
@@ -267,6 +281,8 @@ class Node:
             await self._admin.close()
         if self.store is not None:
             self.store.close()
+        if self.doorbell is not None:
+            self.doorbell.close()
 
     async def _await_ready(self) -> None:
         try:
@@ -285,6 +301,7 @@ class Node:
         self.antientropy.start()
         self.drops.start()
         self.pauses.start()
+        self.trimmer.start()
 
     def status_text(self) -> str:
         """systemd's STATUS= line: workers ready of those wanted, pairs connected of those wanted."""
@@ -309,6 +326,7 @@ class Node:
         log.info("node_stopping", deadline_s=deadline)
         self.notifier.notify("STOPPING=1")
         self.pauses.close()
+        self.trimmer.close()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -322,6 +340,8 @@ class Node:
             await self._admin.close()
         if self.store is not None:
             self.store.close()
+        if self.doorbell is not None:
+            self.doorbell.close()
         log.info("node_stopped", code=self.exit_code)
 
     # -- own row and registry -----------------------------------------------------------------------------------
@@ -329,6 +349,7 @@ class Node:
     def _write_own_row(self, system: Database) -> None:
         """Sign and write this node's own row when it is missing, not signed with our current certificate, or
         says something else than the config and the databases we hold."""
+        self._own_row_stale = False
         if self.signer is None:
             return
         current = self.verifier.own_row(system, self.name)
@@ -376,6 +397,7 @@ class Node:
         return revocation.revoked_by(self._revocations, identity)
 
     def poke_registry(self) -> None:
+        self._sync_all = True
         self._registry_poke.set()
 
     async def _registry_loop(self) -> None:
@@ -385,9 +407,10 @@ class Node:
             try:
                 system = self.system()
                 last_version: int | None = None
+                self._sync_all = True
                 while True:
                     version = system.data_version()
-                    if version != last_version or self._registry_poke.is_set():
+                    if version != last_version or self._registry_poke.is_set() or self._own_row_stale:
                         self._registry_poke.clear()
                         last_version = version
                         self.sync_registry(system)
@@ -413,6 +436,12 @@ class Node:
                 await asyncio.sleep(delay)
 
     def sync_registry(self, system: Database) -> None:
+        """Bring the pairs in line with the registry. Only the nodes whose view changed are looked at, unless the
+        registry was poked (or the watcher started): what else an unchanged view's pairs depend on has its own path
+        that pokes (a reload, a database removed or kept, the system database recovered) or sets the pairs up
+        itself (routes, regressions, workers). A pass over every pair on each registry change would cost
+        O(pairs) per new row, and new rows come with every database a peer opens."""
+        full, self._sync_all = self._sync_all, False
         self._write_own_row(system)
         rows, versions = self.verifier.read(system, self.revoked)
         views = registry.merge(rows, versions, self.config)
@@ -422,7 +451,7 @@ class Node:
         for name in sorted(set(previous) - set(views)):
             self.on_node_removed(name)
         for name in sorted(views):
-            if name != self.name:
+            if name != self.name and (full or name in changed):
                 self.on_node_update(views[name], event=name in changed)
         self._registry_synced = True
         self._registry_trusted = SYSTEM not in self.recovering
@@ -503,6 +532,10 @@ class Node:
         if not changed and not event:
             return
         if not changed and pair.connected and self.supervisor.is_live(pair.worker):
+            return
+        if not changed and pair.dispatched_to == entry.worker and self.supervisor.is_live(entry.worker):
+            # Its worker is still setting up this very subscription (no report since): another one would only
+            # take a slot of the ladder from a pair that needs it. A report of its session ends this.
             return
         if not self.scheduler.schedule(view.url, database, payload, sweep=self.ladder):
             self.scheduler.refresh_pending(view.url, database, payload)
@@ -588,16 +621,38 @@ class Node:
             self.recovering.add(database)
             self.recoveries[database] = {"state": "recovering", "since": self.wall(), "records": 0}
 
-    def check_recoveries(self) -> None:
+    def check_recoveries(self, databases: Iterable[str] | None = None) -> None:
         """Finish the recovery of every database whose peers have served it back: each of its pairs is caught up
         or has been down for failover_after, and at least one is caught up. A database no peer holds (a new one)
-        has nothing to wait for once the registry, itself recovered, says so."""
+        has nothing to wait for once the registry, itself recovered, says so.
+
+        `databases`: only those (a worker's report concerns one); the reconcile pass and the registry look at all.
+        """
         if not self._registry_synced or self.store is None:
+            return
+        targets = sorted(
+            self.recovering if databases is None else self.recovering.intersection(databases),
+            key=lambda name: (name != SYSTEM, name),
+        )
+        if not targets:
             return
         now = self.loop.time()
         patience = self.config.replication.failover_after
-        for database in sorted(self.recovering, key=lambda name: (name != SYSTEM, name)):
-            pairs = [entry.pairs[database] for entry in self.map if database in entry.pairs]
+        # Each database's pairs from one walk of the map, and what the peers hold only if it is asked: a walk per
+        # database would cost O(databases x peers) per report while many databases recover at once.
+        found: dict[str, list[PairState]] = {database: [] for database in targets}
+        for entry in self.map:
+            if len(entry.pairs) < len(found):
+                for database, pair in entry.pairs.items():
+                    if database in found:
+                        found[database].append(pair)
+            else:
+                for database, pairs in found.items():
+                    if (pair := entry.pairs.get(database)) is not None:
+                        pairs.append(pair)
+        held_by_peers: set[str] | None = None
+        for database in targets:
+            pairs = found[database]
             since = self.regressed_at.get(database, float("-inf"))
 
             def served(pair: PairState, since: float = since) -> bool:
@@ -611,15 +666,11 @@ class Node:
             ]
             if pairs and (waiting or not caught):
                 continue
-            if (
-                not pairs
-                and database != SYSTEM
-                and (
-                    not self._registry_trusted
-                    or any(database in view.holds for name, view in self.views.items() if name != self.name)
-                )
-            ):
-                continue  # a peer holds it, or the registry that would say so is not whole yet
+            if not pairs and database != SYSTEM:
+                if held_by_peers is None:
+                    held_by_peers = {d for name, view in self.views.items() if name != self.name for d in view.holds}
+                if not self._registry_trusted or database in held_by_peers:
+                    continue  # a peer holds it, or the registry that would say so is not whole yet
             try:
                 records = self.store.database(database).finish_recovery()
             except UnknownDatabase:
@@ -693,6 +744,7 @@ class Node:
         if not self.supervisor.send(entry.worker, message):
             log.warning("subscription_setup_undelivered", peer=entry.peer, database=database, worker=entry.worker)
             return
+        pair.dispatched_to = entry.worker
         if not pair.connected:
             pair.setup_started = pair.dispatched_at
         log.info("subscription_setup_dispatched", peer=entry.peer, database=database, worker=entry.worker)
@@ -739,8 +791,8 @@ class Node:
                 if name not in self.holds:
                     self.holds.add(name)
                     self._note_database(name)
-                    self._write_own_row(self.system())
-                    self.check_recoveries()
+                    self._own_row_stale = True
+                    self.check_recoveries([name])
                     self.antientropy.note_database(name)
             case messages.AntiEntropyDone():
                 self.antientropy.on_done(message)
@@ -762,6 +814,7 @@ class Node:
         pair.worker = worker
         pair.session = session
         pair.connected_at = now
+        pair.dispatched_to = None
         if pair.setup_started is not None:
             self.metrics.setup_connected(entry.peer, now - pair.setup_started)
             pair.setup_started = None
@@ -783,7 +836,9 @@ class Node:
             message.session,
         ):
             pair.stall = None  # the monitored session ended: its kick is released
+        pair.dispatched_to = None
         pair.reconnect_attempts = message.attempts
+        pair.retry_due = None if message.reconnect_in is None else now + message.reconnect_in
         if message.error:
             pair.last_error = message.error
         if (pair.worker, pair.session) == (message.worker, message.session) or not pair.connected:
@@ -827,7 +882,7 @@ class Node:
         if entry is not None and pair.connected:
             self.router.report(message.database, entry.peer, up=True, caught_up=message.caught_up)
         if message.caught_up and message.database in self.recovering:
-            self.check_recoveries()
+            self.check_recoveries([message.database])
 
     def _warn_slow_copy(self, key: str, pair: PairState, now: float) -> None:
         """A copy that has run for SLOW_COPY_AFTER and still has more than that much to go, below
@@ -862,6 +917,8 @@ class Node:
             for pair in entry.pairs.values():
                 if pair.accepted_by == handle.slot:
                     pair.accepted_by = None
+                if pair.dispatched_to == handle.slot:
+                    pair.dispatched_to = None
                 if pair.worker == handle.slot:
                     pair.connected = False
                     pair.caught_up = False
@@ -947,7 +1004,9 @@ class Node:
 
     def _wedged_pairs(self, entry: Entry, now: float, threshold: float) -> list[tuple[str, PairState]]:
         """The entry's pairs down for the threshold. A pair whose setup is still armed is the schedule's, not
-        wedged; a pair never connected counts from its latest dispatch, not from when it was wanted."""
+        wedged; a pair never connected counts from its latest dispatch, not from when it was wanted; a pair whose
+        worker said when it dials again counts from then: it is backing off, and forcing a dial past its schedule
+        would turn a long outage into a redial of every pair every threshold (the fleet simulation's finding)."""
         wedged = []
         for database, pair in entry.pairs.items():
             if pair.connected or self.scheduler.is_armed(entry.url, database):
@@ -955,6 +1014,8 @@ class Node:
             since = pair.disconnected_at
             if since is None:
                 since = max(pair.created_at, pair.dispatched_at or 0.0)
+            if pair.retry_due is not None:
+                since = max(since, pair.retry_due)
             if now - since >= threshold:
                 wedged.append((database, pair))
         return wedged

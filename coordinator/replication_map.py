@@ -36,6 +36,9 @@ class PairState:
     session: int | None = None
     accepted_by: int | None = None  # the worker that accepted the latest dispatched subscribe
     dispatched_at: float | None = None  # when the latest subscribe went to a worker
+    # The worker the latest subscribe went to, until a session of the pair reports (connected or disconnected) or
+    # that worker exits: it is setting up exactly that subscription, so one more just like it would change nothing.
+    dispatched_to: int | None = None
     # When a subscribe went to a worker while the pair was not connected: its connect is timed from there.
     setup_started: float | None = None
     connected_at: float | None = None
@@ -54,6 +57,9 @@ class PairState:
     received_bytes: int = 0
     slow_copy_warned: int | None = None  # the session a `copy_slow` warning was logged for
     reconnect_attempts: int = 0
+    # When the worker said its session dials again (its latest Disconnected report): a pair backing off on its own
+    # schedule is not wedged until that time has passed by the wedge threshold with no new report.
+    retry_due: float | None = None
     last_error: str = ""
     stall: StallWatch | None = None
     # Set when a stall kick fired; no new kick until apply progress or another stall threshold.

@@ -21,6 +21,7 @@ import msgspec
 from replicator.shared import messages
 from replicator.shared.backoff import Backoff
 from replicator.shared.logs import log
+from replicator.shared.notify import Doorbell
 from replicator.workers.main import EXIT_BOOT_ERROR, worker_entry
 
 RESPAWN_HEALTHY_UPTIME = 10.0
@@ -138,6 +139,8 @@ class Supervisor:
         self._exit_seen = asyncio.Event()
         self._finishing: set[asyncio.Task[None]] = set()
         self.respawns = 0  # over the node's life, retired slots included: the restarts counter reads it
+        # The coordinator's commit doorbell (shared.notify): it rings the workers the supervisor runs.
+        self.doorbell: Doorbell | None = None
 
     # -- queries ------------------------------------------------------------------------------------------------
 
@@ -187,7 +190,16 @@ class Supervisor:
         handle.reader_task = self._loop.create_task(self._serve_pipe(handle, sock), name=f"pipe {slot}")
         self._loop.add_reader(process.sentinel, self._exited, handle)
         log.info("worker_started", worker=slot, pid=handle.pid)
+        self._announce_siblings()
         return handle
+
+    def _announce_siblings(self) -> None:
+        """Tell every worker, and the coordinator's doorbell, which worker processes run now (shared.notify)."""
+        pids = sorted(w.pid for w in self.workers.values() if w.alive and w.pid)
+        if self.doorbell is not None:
+            self.doorbell.set_siblings(pids)
+        for slot in list(self.workers):
+            self.send(slot, messages.Siblings(pids=pids))
 
     async def _serve_pipe(self, handle: WorkerHandle, sock: socket.socket) -> None:
         reader, writer = await asyncio.open_connection(sock=sock)
@@ -216,6 +228,7 @@ class Supervisor:
                 handle.ready = True
                 handle.pid = pid
                 handle.last_heartbeat = self._loop.time()
+                self._announce_siblings()  # its pipe is open now: it hears the set too
             case messages.BootFailed(reason=reason):
                 handle.boot_error = reason
 
@@ -255,6 +268,7 @@ class Supervisor:
         handle.exit_code = code
         uptime = self._loop.time() - handle.started_at
         self._exit_seen.set()
+        self._announce_siblings()
         level = "info" if self.stopping or handle.retiring else "warning"
         log.emit(
             level,

@@ -35,6 +35,9 @@ NOT_CONFIG_VARIABLES = frozenset(
 )
 
 
+MIN_REDIAL_RATE = 0.01  # dials per second: a peer's budget refills at least one token per 100 s
+
+
 class ConfigError(Exception):
     """A configuration problem; the message names the file, the key and what is wrong."""
 
@@ -58,6 +61,9 @@ class ListenSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # peer opens a session per database). Over either, a new connection is closed before any TLS work.
     max_connections: int = 1024
     max_connections_per_client: int = 256
+    # TLS handshakes in progress per worker: past it, a new connection is closed before any TLS work, so a crowd
+    # of nodes redialling a peer that just came back queues no more handshake work than it can finish in time.
+    max_handshakes: int = 512
 
 
 class TlsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -80,6 +86,10 @@ class DataSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class ReplicationSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     databases: list[str] = msgspec.field(default_factory=lambda: ["*"])
     reconnect_jitter: Literal["full", "equal"] = "full"
+    # Failed redials per second this node may make toward one peer, all its databases together, and how many may go
+    # at once after a quiet spell (shared.retry_budget); a redial that connects costs nothing. 0 turns it off.
+    redial_rate: float = 5.0
+    redial_burst: int = 50
     stagger: float = 0.05
     shutdown_timeout: float = 10.0
     # Thresholds that tests shorten; the defaults are the seed's values.
@@ -313,6 +323,7 @@ def _check(config: Config, source: str) -> None:
         "replication.antientropy_rate": (0.0, 1e9, False, "records per second"),
         "replication.scrub_rate": (0.0, 1e9, False, "rows per second"),
         "replication.blob_rate": (0.0, 1e9, True, "bytes per second"),
+        "replication.redial_rate": (0.0, 1e6, True, "dials per second"),
         "log.sample_window": (0.0, day, False, "seconds"),
     }
     for key, (lowest, highest, closed, unit) in floats.items():
@@ -325,6 +336,7 @@ def _check(config: Config, source: str) -> None:
         "replication.batch_size": (1, 100_000),
         "replication.max_frame_bytes": (64 * 1024, 2**30),
         "replication.window": (1, 1024),
+        "replication.redial_burst": (1, 1_000_000),
         "log.sample_burst": (1, 1_000_000),
         "data.blob_threshold": (1024, 2**30),
         "data.max_value_bytes": (1024, 2**30),
@@ -334,6 +346,10 @@ def _check(config: Config, source: str) -> None:
         value = getattr(getattr(config, section), name)
         if not least <= value <= most:
             fail(key, f"must be a whole number in {least}..{most}, got {value}")
+    if 0 < rep.redial_rate < MIN_REDIAL_RATE:
+        # A budget that slow would leave a pair waiting hours for its next dial, past every re-drive.
+        least = f"{MIN_REDIAL_RATE:g} dials per second"
+        fail("replication.redial_rate", f"must be 0 (no budget) or at least {least}, got {rep.redial_rate!r}")
     for host, address in rep.hosts.items():
         labels = host[:-1].split(".") if host.endswith(".") else host.split(".")
         if len(host) > 254 or not all(re.match(r"^[A-Za-z0-9_-]{1,63}\Z", label) for label in labels):
@@ -374,6 +390,7 @@ def _check_exposure(config: Config, fail: Any) -> None:
     for key, value in (
         ("listen.max_connections", listen.max_connections),
         ("listen.max_connections_per_client", listen.max_connections_per_client),
+        ("listen.max_handshakes", listen.max_handshakes),
         ("data.max_databases", data.max_databases),
     ):
         if not 1 <= value <= 1_000_000:

@@ -97,6 +97,12 @@ class RepairBlobs(msgspec.Struct, tag="repair_blobs", kw_only=True):
     request: int  # the coordinator's request number, echoed in BlobsRepaired
 
 
+class Siblings(msgspec.Struct, tag="siblings", kw_only=True):
+    """The node's worker processes, whose commit doorbells each worker rings (`shared.notify`)."""
+
+    pids: list[int]
+
+
 ToWorker = (
     Subscribe
     | Unsubscribe
@@ -107,6 +113,7 @@ ToWorker = (
     | DropDatabase
     | ReleaseDatabase
     | RepairBlobs
+    | Siblings
 )
 
 

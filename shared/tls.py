@@ -19,6 +19,7 @@ import os
 import re
 import ssl
 import tempfile
+from asyncio import sslproto
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,8 @@ CA_KEY_FILE = "ca.key"
 KEY_MODE = 0o600
 CERT_MODE = 0o644
 DIR_MODE = 0o700
+# What a TLS connection reads at a time (`limit_read_buffers`).
+READ_BUFFER_BYTES = 32 * 1024
 # Backdating notBefore lets a peer whose clock runs a little behind accept a certificate issued a moment ago.
 _CLOCK_SKEW = dt.timedelta(minutes=5)
 # DNS labels; '_' is tolerated because node names may contain it and the name goes into the SAN.
@@ -202,6 +205,17 @@ def client_context(ca: PathLike, cert: PathLike | None = None, key: PathLike | N
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     _load_into(context, ca, ca_pem, cert, key)
     return context
+
+
+def limit_read_buffers(size: int = READ_BUFFER_BYTES) -> None:
+    """Make every TLS connection this process opens or accepts from now on read through a buffer of `size` bytes.
+
+    asyncio's TLS transport allocates its read buffer (`SSLProtocol.max_size`, 256 KiB) with each connection and
+    keeps it, filled with zeros, for the connection's life. A node holds one connection per (peer, database) in each
+    direction: that buffer alone was half a megabyte per replicated database (issue 12). Reading 32 KiB at a time
+    (two TLS records) costs nothing measurable at replication rates. uvloop has its own transport and ignores this.
+    """
+    sslproto.SSLProtocol.max_size = size
 
 
 def ca_certificates(ca: PathLike) -> list[x509.Certificate]:

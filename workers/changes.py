@@ -1,32 +1,52 @@
 """Commit notification for senders: wake the tail of every stream when its database changes.
 
-A commit can come from any process of the node (another worker's data API, another worker's apply, the
-coordinator's registry writes), so a local event is not enough. `PRAGMA data_version` moves whenever another
-connection commits and costs no disk read, so one poller per database per worker checks it every `interval`
-while any sender waits; a commit made through this worker pokes the feed and wakes its waiters at once.
+A commit can come from any process of the node (this worker's data API or apply, another worker's, the
+coordinator's registry writes), and it is pushed, never polled for:
+
+- a commit this process makes wakes the database's waiting senders directly (`Store.on_commit`), and rings the
+  doorbells of the node's other processes (`shared.notify`);
+- a ring from another process wakes the senders waiting on that database here.
+
+Nothing runs while nothing is written. A ring can still be lost (a full socket queue, a process that was not bound
+yet, a tool writing the file from outside the node), so a safety poll checks `PRAGMA data_version` of every
+database with a waiting sender every `safety_interval` seconds: one timer per worker, not one per database.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sqlite3
+import threading
 from collections.abc import Callable
 
+from replicator.shared.notify import Doorbell
 from replicator.shared.store import Database
+
+SAFETY_INTERVAL = 1.0
 
 
 class ChangeFeed:
-    def __init__(self, database: Database, interval: float = 0.005) -> None:
+    """The commits of one database, as the senders waiting on it see them."""
+
+    def __init__(self, database: Database) -> None:
         self._db = database
-        self._interval = interval
         self._version = database.data_version()
         self._changed = asyncio.Event()
-        self._waiters = 0
-        self._poller: asyncio.Task[None] | None = None
+        self.waiters = 0
 
     def poke(self) -> None:
-        """A commit made by this process."""
+        """The database changed (or may have): wake every waiter."""
         self._version = self._db.data_version()
         self._wake()
+
+    def check(self) -> bool:
+        """The safety poll: wake the waiters if the file changed since the feed last looked. True if it had."""
+        version = self._db.data_version()
+        if version == self._version:
+            return False
+        self._version = version
+        self._wake()
+        return True
 
     def _wake(self) -> None:
         self._changed.set()
@@ -35,9 +55,7 @@ class ChangeFeed:
     async def wait(self, timeout: float | None = None) -> None:
         """Return after the next commit to the database (or after `timeout`)."""
         changed = self._changed
-        self._waiters += 1
-        if self._poller is None or self._poller.done():
-            self._poller = asyncio.get_running_loop().create_task(self._poll())
+        self.waiters += 1
         try:
             if timeout is None:
                 await changed.wait()
@@ -47,51 +65,99 @@ class ChangeFeed:
                 except TimeoutError:
                     pass
         finally:
-            self._waiters -= 1
+            self.waiters -= 1
 
-    async def _poll(self) -> None:
-        # Stops by itself once nobody waits, so an idle database costs nothing.
-        while self._waiters > 0:
-            await asyncio.sleep(self._interval)
-            version = self._db.data_version()
-            if version != self._version:
-                self._version = version
-                self._wake()
-
-    async def close(self) -> None:
-        if self._poller is not None and not self._poller.done():
-            self._poller.cancel()
-            await asyncio.gather(self._poller, return_exceptions=True)
+    def close(self) -> None:
         self._wake()
 
 
 class ChangeFeeds:
-    """One feed per database of this worker."""
+    """One feed per database of this worker, woken by its own commits, its siblings' doorbells and a slow poll."""
 
-    def __init__(self, open_database: Callable[[str], Database], interval: float = 0.005) -> None:
+    def __init__(
+        self,
+        open_database: Callable[[str], Database],
+        *,
+        doorbell: Doorbell | None = None,
+        safety_interval: float | None = SAFETY_INTERVAL,
+    ) -> None:
+        """`safety_interval` None: no safety poll (tests of the pushed paths alone)."""
         self._open = open_database
-        self._interval = interval
+        self._doorbell = doorbell
+        self._safety_interval = safety_interval
         self._feeds: dict[str, ChangeFeed] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = 0
+        self._safety: asyncio.TimerHandle | None = None
+        self.caught_by_poll = 0  # commits the safety poll found that no notification had announced
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Listen on `loop` (the worker's): its doorbell, and the safety poll."""
+        self._loop = loop
+        self._thread = threading.get_ident()
+        if self._doorbell is not None:
+            self._doorbell.listen(loop, self._heard)
+        self._arm_safety()
 
     def get(self, database: str) -> ChangeFeed:
         feed = self._feeds.get(database)
         if feed is None:
-            feed = ChangeFeed(self._open(database), self._interval)
+            feed = ChangeFeed(self._open(database))
             self._feeds[database] = feed
         return feed
 
+    def committed(self, database: str) -> None:
+        """A commit this process made (`Store.on_commit`, from whichever thread committed)."""
+        if self._doorbell is not None:
+            self._doorbell.ring(database)
+        loop = self._loop
+        if loop is None or threading.get_ident() == self._thread:
+            self.poke(database)
+        elif not loop.is_closed():
+            loop.call_soon_threadsafe(self.poke, database)
+
     def poke(self, database: str) -> None:
+        """Wake the senders waiting on `database`, if any."""
         feed = self._feeds.get(database)
         if feed is not None:
             feed.poke()
+
+    def _heard(self, databases: set[str]) -> None:
+        for database in databases:
+            self.poke(database)
+
+    def _arm_safety(self) -> None:
+        if self._loop is not None and self._safety_interval is not None:
+            self._safety = self._loop.call_later(self._safety_interval, self._safety_poll)
+
+    def _safety_poll(self) -> None:
+        try:
+            for feed in list(self._feeds.values()):
+                try:
+                    if feed.waiters and feed.check():
+                        self.caught_by_poll += 1
+                except sqlite3.Error:
+                    continue  # a file being closed for removal: its feed is discarded with it
+        finally:
+            self._arm_safety()
+
+    def take_caught_by_poll(self) -> int:
+        """Commits the safety poll found since the last call (`replicator_commits_caught_by_poll_total`)."""
+        caught, self.caught_by_poll = self.caught_by_poll, 0
+        return caught
 
     async def discard(self, database: str) -> None:
         """Close the feed of a database this worker closes (it is being removed); its waiters wake."""
         feed = self._feeds.pop(database, None)
         if feed is not None:
-            await feed.close()
+            feed.close()
 
     async def close(self) -> None:
+        if self._safety is not None:
+            self._safety.cancel()
+            self._safety = None
+        if self._doorbell is not None:
+            self._doorbell.close()
         for feed in self._feeds.values():
-            await feed.close()
+            feed.close()
         self._feeds.clear()

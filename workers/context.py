@@ -12,6 +12,8 @@ import msgspec
 from replicator.shared import membership, messages, revocation
 from replicator.shared.config import Config, database_matches
 from replicator.shared.logs import log
+from replicator.shared.notify import Doorbell
+from replicator.shared.retry_budget import Clock, RetryBudget
 from replicator.shared.store import Database, NodeRow, Store
 from replicator.shared.tls import PeerIdentity
 from replicator.workers.changes import ChangeFeeds
@@ -31,15 +33,18 @@ class WorkerContext:
     wall: Callable[[], float] = time.time
     feeds: ChangeFeeds = field(init=False)
     ca: revocation.CA | None = None  # the cluster CA (every CA of its bundle): it signs revocations and certificates
+    doorbell: Doorbell | None = None  # rung after each commit of this process; rings from siblings wake the feeds
     _known: set[str] = field(default_factory=set)
     _revocations: list[revocation.Revocation] = field(default_factory=list)
     _revocations_seen: int = -1
     verifier: membership.Verifier = field(init=False)
     _registry: dict[str, NodeRow] = field(default_factory=dict)
     _registry_seen: int = -1
+    _redial_budgets: dict[str, RetryBudget] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.feeds = ChangeFeeds(lambda name: self.store.database(name))
+        self.feeds = ChangeFeeds(lambda name: self.store.database(name), doorbell=self.doorbell)
+        self.store.on_commit = self.feeds.committed
         self.verifier = membership.Verifier(self.ca)
         self._known.update(self.store.names())
 
@@ -58,6 +63,21 @@ class WorkerContext:
     def forget(self, name: str) -> None:
         """The database was removed from this node: opening it again (re-created) is reported again."""
         self._known.discard(name)
+
+    def redial_budget(self, peer: str, loop: Clock) -> RetryBudget | None:
+        """The budget the redials toward `peer` share (`replication.redial_rate`, `redial_burst`), None when it is
+        off. The coordinator gives each connection (a peer's URL) to one worker, so every pair of a peer redials
+        from this process and the budget is the node's. Created at the peer's first redial; a reload that changes
+        the rate or the burst replaces it, with a full bucket, at the next one (a wait already drawn stands)."""
+        settings = self.config.replication
+        if settings.redial_rate == 0:
+            self._redial_budgets.clear()
+            return None
+        budget = self._redial_budgets.get(peer)
+        if budget is None or (budget.rate, budget.burst) != (settings.redial_rate, settings.redial_burst):
+            budget = RetryBudget(settings.redial_rate, settings.redial_burst, loop=loop)
+            self._redial_budgets[peer] = budget
+        return budget
 
     def replicates(self, database: str) -> bool:
         return database == SYSTEM or database_matches(self.config.replication.databases, database)

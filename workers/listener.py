@@ -1,7 +1,10 @@
 """The node port's listener: which connections get TLS at all, and how long a client may take to start a request.
 
 Every worker accepts on the shared node port. A new connection is closed at once, before any TLS work, when the
-worker holds `listen.max_connections` connections. Once its handshake is done, a connection without a cluster
+worker holds `listen.max_connections` connections, or has `listen.max_handshakes` TLS handshakes in progress: a peer
+that comes back to a crowd of redialling nodes finishes the handshakes it took within their deadline, and the rest
+cost it a refused connection each, not a handshake that times out after the work was done (the fleet simulation,
+`benchmarks/fleet_sim.py --max-handshakes`). Once its handshake is done, a connection without a cluster
 certificate is closed when its address already holds `listen.max_connections_per_client` such connections. A peer
 presents a certificate and opens a session per database (a thousand databases are a thousand sessions from one
 address, dialled in a burst), so only the first cap holds it; the handshakes in flight are bounded by that cap and
@@ -39,7 +42,8 @@ from replicator.shared.logs import log
 
 LIMIT_TOTAL = "max_connections"
 LIMIT_PER_CLIENT = "max_connections_per_client"
-LIMITS = (LIMIT_TOTAL, LIMIT_PER_CLIENT)
+LIMIT_HANDSHAKES = "max_handshakes"
+LIMITS = (LIMIT_TOTAL, LIMIT_PER_CLIENT, LIMIT_HANDSHAKES)
 # File descriptors a worker needs besides its node-port connections: outbound sessions, database files, the pipe.
 SPARE_FILES = 1024
 # Connections that must have closed (and the open ones fallen to a quarter of the peak) before memory is trimmed;
@@ -58,10 +62,12 @@ class ConnectionLimits:
     """The connections one worker holds, and by client address those that finished TLS without a cluster
     certificate (anonymous)."""
 
-    def __init__(self, max_connections: int, max_per_client: int) -> None:
+    def __init__(self, max_connections: int, max_per_client: int, max_handshakes: int | None = None) -> None:
         self.max_connections = max_connections
         self.max_per_client = max_per_client
+        self.max_handshakes = max_connections if max_handshakes is None else max_handshakes
         self.open = 0
+        self.handshaking = 0
         self._anonymous: dict[str, int] = {}
 
     def anonymous(self, address: str) -> int:
@@ -75,8 +81,15 @@ class ConnectionLimits:
         """Take a new connection (its handshake still to come); None, or the limit that refuses it."""
         if self.open >= self.max_connections:
             return LIMIT_TOTAL
+        if self.handshaking >= self.max_handshakes:
+            return LIMIT_HANDSHAKES
         self.open += 1
+        self.handshaking += 1
         return None
+
+    def handshake_over(self) -> None:
+        """An admitted connection finished its handshake, or closed before it did."""
+        self.handshaking -= 1
 
     def anonymous_done(self, address: str) -> str | None:
         """An admitted connection from `address` finished TLS without a cluster certificate: None when it counts
@@ -133,9 +146,11 @@ class _Gate(asyncio.BufferedProtocol):
 
     def _set_state(self, state: _State) -> None:
         assert state in _TRANSITIONS[self._state], (self._state, state)
-        if self._state is _State.HANDSHAKE and self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
+        if self._state is _State.HANDSHAKE:
+            self._site.limits.handshake_over()
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
         self._state = state
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -230,7 +245,7 @@ class GuardedSite(web.BaseSite):
         self._host = listen.host
         self._port = listen.port
         self.timeout = listen.request_timeout
-        self.limits = ConnectionLimits(listen.max_connections, listen.max_connections_per_client)
+        self.limits = ConnectionLimits(listen.max_connections, listen.max_connections_per_client, listen.max_handshakes)
         self.gates: set[_Gate] = set()
         self._on_refused = on_refused
         self._loop: asyncio.AbstractEventLoop | None = None

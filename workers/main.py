@@ -17,6 +17,7 @@ import signal
 import socket
 import sys
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -27,8 +28,10 @@ from replicator.shared import config as config_module
 from replicator.shared import messages, revocation
 from replicator.shared.keys import pair_key
 from replicator.shared.logs import bridge_logging, log
+from replicator.shared.memory import Trimmer
+from replicator.shared.notify import Doorbell
 from replicator.shared.store import Store
-from replicator.shared.tls import TlsConfigError, client_context, server_context
+from replicator.shared.tls import TlsConfigError, client_context, limit_read_buffers, server_context
 from replicator.workers import antientropy, blob_repair, blobs
 from replicator.workers.admission import WorkerAdmission
 from replicator.workers.context import SYSTEM, WorkerContext
@@ -56,6 +59,7 @@ def worker_entry(worker_id: int, config_bytes: bytes, conn: Connection) -> None:
     config = config_module.decode(config_bytes)
     log.configure_from(config.log, node=config.node.name, proc="worker", worker=worker_id)
     bridge_logging(log)
+    limit_read_buffers()
     fd = os.dup(conn.fileno())
     conn.close()
     worker = Worker(worker_id, config, fd)
@@ -99,6 +103,7 @@ class Worker:
         self._rounds: dict[tuple[str, str], asyncio.Task[None]] = {}  # anti-entropy rounds running, by pair
         # Databases being removed from this node (DropDatabase until ReleaseDatabase), and the task closing each.
         self._removing: set[str] = set()
+        self._siblings: list[int] = []  # the node's other processes (messages.Siblings), for the commit doorbell
         self._closers: dict[str, asyncio.Task[None]] = {}
         self._repairs: dict[int, asyncio.Task[None]] = {}  # blob repairs running, by the coordinator's request
 
@@ -129,7 +134,11 @@ class Worker:
             heartbeat = loop.create_task(self._heartbeat())
             watch = loop.create_task(self._watch_revocations())
             stop = loop.create_task(self._stop.wait())
+            assert self.ctx is not None
+            trimmer = Trimmer(self.ctx.store.trim, loop=loop)
+            trimmer.start()
             await asyncio.wait({stop, pipe_task}, return_when=asyncio.FIRST_COMPLETED)
+            trimmer.close()
             heartbeat.cancel()
             watch.cancel()
             stop.cancel()
@@ -192,6 +201,10 @@ class Worker:
                 self._release_database(database)
             case messages.RepairBlobs():
                 self._start_blob_repair(message)
+            case messages.Siblings(pids=pids):
+                self._siblings = pids
+                if self.ctx is not None and self.ctx.doorbell is not None:
+                    self.ctx.doorbell.set_siblings(pids)
 
     # -- boot and readiness ------------------------------------------------------------------------------------
 
@@ -218,6 +231,7 @@ class Worker:
         except TlsConfigError as exc:
             store.close()
             raise BootError(str(exc)) from None
+        doorbell = self._doorbell(directory)
         self.ctx = WorkerContext(
             worker_id=self.worker_id,
             config=config,
@@ -226,7 +240,9 @@ class Worker:
             client_ssl=client_ssl,
             report=self.report,
             ca=revocation.load_ca_certs(ca),
+            doorbell=doorbell,
         )
+        self.ctx.feeds.start(asyncio.get_running_loop())
         log.on_suppressed = lambda event, n: self.ctx.counters.inc(  # type: ignore[union-attr]
             "replicator_log_events_suppressed_total", event, value=n
         )
@@ -235,6 +251,7 @@ class Worker:
             await self._server.start()
         except OSError as exc:
             await self._server.close()
+            await self.ctx.feeds.close()
             store.close()
             raise BootError(f"cannot listen on {config.listen.host}:{config.listen.port}: {exc.strerror}") from None
         rep = config.replication
@@ -243,6 +260,17 @@ class Worker:
         # one peer share a worker, so aiohttp's default pool of 100 left every pair past the 100th waiting for a
         # connection that never freed (issue 7: 51 of 150 databases never reached the peer).
         self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, resolver=resolver))
+
+    def _doorbell(self, directory: Path) -> Doorbell | None:
+        """This worker's commit doorbell; without one, commits of the other processes reach its senders by the
+        safety poll only (slower, never lost)."""
+        try:
+            doorbell = Doorbell(directory)
+        except OSError as exc:
+            log.warning("doorbell_unavailable", error=str(exc))
+            return None
+        doorbell.set_siblings(self._siblings)
+        return doorbell
 
     async def _ready(self) -> None:
         await self._booted.wait()
@@ -328,8 +356,6 @@ class Worker:
             done.bytes_exchanged = result.bytes_exchanged
             done.seconds = round(result.seconds, 6)
             done.error = result.error
-            if result.repaired:
-                ctx.feeds.poke(message.database)
         self.report(done)
 
     # -- blob repair (workers.blob_repair) -------------------------------------------------------------------------
@@ -426,6 +452,9 @@ class Worker:
                     session.flush_progress()
             for database, count in self.ctx.store.take_checksum_failures().items():
                 self.ctx.counters.inc("replicator_checksum_failures_total", database, value=count)
+            caught = self.ctx.feeds.take_caught_by_poll()
+            if caught:
+                self.ctx.counters.inc("replicator_commits_caught_by_poll_total", value=caught)
             log.flush()
             self.report(
                 messages.Heartbeat(

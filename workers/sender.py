@@ -11,7 +11,6 @@ receiver slows the sender instead of making it buffer.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import deque
 from typing import Any
 
@@ -45,8 +44,9 @@ class Sender:
         # once it is acknowledged. `_unacked`: (batch number, marks) of batches sent with marks.
         self._holds: dict[str, int] = {}
         self._unacked: deque[tuple[int, dict[str, int]]] = deque()
-        self._holds_reported = 0.0
+        self._holds_reported = float("-inf")  # on the loop's clock
         self._holds_dirty = False
+        self._holds_due: asyncio.TimerHandle | None = None  # the deferred report of holds acknowledged meanwhile
 
     @property
     def database(self) -> str:
@@ -89,7 +89,13 @@ class Sender:
             await self._serve(db, dict(sub.progress), frozenset(sub.exclude), {self._peer: sub.own_upto})
         finally:
             reader.cancel()
-            await asyncio.gather(reader, return_exceptions=True)
+            try:
+                await asyncio.gather(reader, return_exceptions=True)
+            finally:
+                # After the reader: its last acks may have armed the report.
+                if self._holds_due is not None:
+                    self._holds_due.cancel()
+                    self._holds_due = None
 
     def _open(self, sub: wire.Subscribe) -> Database:
         if not NAME_RE.match(sub.database):
@@ -170,11 +176,27 @@ class Sender:
         self._report_holds()
 
     def _report_holds(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if force or (self._holds_dirty and now - self._holds_reported >= HOLDS_INTERVAL):
-            self._holds_dirty = False
-            self._holds_reported = now
-            self._ctx.report(messages.PeerHolds(peer=self._peer, database=self._database, complete=dict(self._holds)))
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if not (force or self._holds_dirty):
+            return
+        left = self._holds_reported + HOLDS_INTERVAL - now
+        if not force and left > 0:
+            # Reported less than HOLDS_INTERVAL ago: report once it is over, on a timer of the session's own, so an
+            # idle session needs no periodic wake-up to get its last acknowledged marks reported.
+            if self._holds_due is None:
+                self._holds_due = loop.call_later(left, self._report_due_holds)
+            return
+        if self._holds_due is not None:
+            self._holds_due.cancel()
+            self._holds_due = None
+        self._holds_dirty = False
+        self._holds_reported = now
+        self._ctx.report(messages.PeerHolds(peer=self._peer, database=self._database, complete=dict(self._holds)))
+
+    def _report_due_holds(self) -> None:
+        self._holds_due = None
+        self._report_holds()
 
     async def _send_batch(self, message: wire.Message) -> None:
         while self._sent - self._acked >= self._settings.window:
@@ -220,13 +242,17 @@ class Sender:
         told_caught_up = False
         while True:
             self._check_gone()
+            read_at = db.data_version()
             entries, new_marks, more = plan.next_batch(db, self._settings.batch_size)
             if not entries and not new_marks:
                 if not told_caught_up and not plan.blocked:
                     await self._send_batch(wire.Batch(entries=[], head_seq=db.last_seq(), caught_up=True))
                     told_caught_up = True
-                await feed.wait(timeout=1.0)
-                self._report_holds()  # the last acknowledged marks of an idle session still get reported
+                # Woken by the next commit (workers.changes), and by nothing else: an idle session costs nothing.
+                # A commit made while the caught-up batch was being sent woke the feed before this wait began, so
+                # it is read first.
+                if db.data_version() == read_at:
+                    await feed.wait()
                 continue
             head = db.last_seq()
             chunks = self._chunks(entries)

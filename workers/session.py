@@ -9,6 +9,14 @@ A session is one dial attempt and what follows it; each has its own session id, 
 coordinator can tell a report from the monitored session from a stale one. Reconnects follow the one backoff
 schedule (floor 0.5 s, 0.5 -> 30 s, full jitter or equal), reset once a peer has accepted a subscription. A force
 reconnect interrupts whatever the session is doing and schedules exactly one immediate reconnect.
+
+The schedule paces one pair; the pairs of one peer together are held to the peer's redial budget
+(`WorkerContext.redial_budget`, `shared.retry_budget`): a redial after a backoff delay takes a token, and when there
+is none it is skipped, not queued: the pair waits another delay of its own schedule, still WAITING, and asks again.
+A redial that connects hands its token back, so only failed dials spend the budget, and once the peer is back the
+tokens its accepted dials return let the other pairs through on their own schedules: a node's recovery takes about
+one backoff cap, however many databases it holds of the peer (a queue of reservations would hold the last pair
+pairs / rate seconds).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from replicator.shared.backoff import Backoff
 from replicator.shared.histograms import BATCH_APPLY_SECONDS
 from replicator.shared.hlc import physical_seconds
 from replicator.shared.logs import log
+from replicator.shared.retry_budget import RetryBudget
 from replicator.shared.store import BadName, BadRecord
 from replicator.shared.tls import PeerIdentity, peer_identity
 from replicator.workers import blobs, frames
@@ -97,6 +106,7 @@ class PeerSession:
         self.attempts = 0
         self._forced = False
         self._going_away = False
+        self._token: RetryBudget | None = None  # the budget the dial in progress took a token of
         self._wake = asyncio.Event()
         self._attempt: asyncio.Task[None] | None = None
         self._task: asyncio.Task[None] | None = None
@@ -184,6 +194,7 @@ class PeerSession:
             self._attempt = attempt
             await asyncio.wait({attempt})
             self._attempt = None
+            self._token = None  # a dial that failed keeps its token spent (one that connected gave it back)
             error = self._outcome(attempt)
             was_connected = self.connected
             self.connected = False
@@ -221,13 +232,44 @@ class PeerSession:
             self._report_disconnected(error, delay)
             if delay > 0:
                 self._set_state(State.WAITING)
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), delay)
-                except TimeoutError:
-                    pass
+                if not await self._pause(delay):
+                    await self._take_token(error)
                 if self._forced:
                     self._forced = False
+
+    async def _pause(self, seconds: float) -> bool:
+        """Wait `seconds`; True when woken first (closed, or a forced reconnect)."""
+        self._wake.clear()
+        try:
+            await asyncio.wait_for(self._wake.wait(), seconds)
+        except TimeoutError:
+            return False
+        return True
+
+    async def _take_token(self, error: str) -> None:
+        """Take a token of the peer's redial budget for the dial due now; while the budget is spent, skip the dial
+        and wait another delay of the pair's own schedule. Only a dial after a backoff delay comes here: the first
+        dial and a forced reconnect take none. Woken while it waits (closed, or a forced reconnect, which dials
+        without a token), the session stops asking."""
+        budget = self._ctx.redial_budget(self.peer, self._loop)
+        if budget is None:
+            return
+        while not budget.take():
+            wait = self._backoff.next_delay()
+            assert wait is not None  # the reconnect schedule never exhausts
+            self._ctx.counters.inc("replicator_redials_deferred_total", self.peer)
+            log.warning(
+                "redial_deferred",
+                sample_by=("peer",),
+                peer=self.peer,
+                database=self.database,
+                wait_s=round(wait, 4),
+            )
+            # The coordinator counts a pair as wedged only from when it said it dials again: now later.
+            self._report_disconnected(error, wait)
+            if await self._pause(wait):
+                return
+        self._token = budget
 
     def _outcome(self, attempt: asyncio.Task[None]) -> str:
         if attempt.cancelled():
@@ -352,9 +394,7 @@ class PeerSession:
         self.peer_head_seq = schema.head_seq
         self.backlog, self.received, self.session_applied, self.received_bytes = schema.backlog, 0, 0, 0
         self.caught_up = False
-        self.connected = True
-        self._set_state(State.STREAMING)
-        self.last_error = ""
+        self._streaming()
         log.info(
             "session_connected",
             peer=self.peer,
@@ -389,11 +429,25 @@ class PeerSession:
                 holds.cancel()
                 await asyncio.gather(holds, return_exceptions=True)
 
+    def _streaming(self) -> None:
+        """The peer accepted the subscription: the session is up, and the dial that got here was free."""
+        self.connected = True
+        self._set_state(State.STREAMING)
+        self.last_error = ""
+        if self._token is not None:
+            self._token.refund()
+            self._token = None
+
     async def _send_holds(self, ws: Any, db: Any, sent: dict[str, int], sending: asyncio.Lock) -> None:
         """Tell the sender what this node holds, when it changed, every HOLDS_INTERVAL: origins it gets over other
         links too, which the sender cannot see from its own acknowledged marks."""
+        version: int | None = None  # the file's data_version when progress was last read
         while True:
             await asyncio.sleep(HOLDS_INTERVAL)
+            now = db.data_version()
+            if now == version:
+                continue  # nothing committed since: what it holds has not moved (an idle pair reads nothing)
+            version = now
             progress = db.progress()
             if progress != sent:
                 async with sending:
@@ -460,7 +514,6 @@ class PeerSession:
                 ctx.counters.inc("replicator_records_received_total", *labels, value=len(entries))
             if applied:
                 ctx.counters.inc("replicator_records_applied_total", *labels, value=applied)
-                ctx.feeds.poke(self.database)
             was_caught_up = self.caught_up
             self.caught_up = message.caught_up
             if message.caught_up:

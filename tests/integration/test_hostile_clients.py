@@ -293,6 +293,34 @@ async def test_connection_caps_refuse_before_tls(make_cluster: Callable[..., Loc
         await cluster.close()
 
 
+async def test_handshakes_in_progress_are_capped_before_tls(make_cluster: Callable[..., LocalCluster]) -> None:
+    """A crowd that connects and sends nothing (nodes redialling a peer that came back, a flood of half-open
+    clients): past listen.max_handshakes handshakes in progress, a new connection is closed before any TLS work.
+    Once they go, the node takes connections again."""
+    cluster = make_cluster(["a"], workers=1)
+    cluster["a"].extra["listen"] = {"request_timeout": 60.0, "max_handshakes": 5}
+    cluster.start()
+    try:
+        await cluster.wait_ready()
+        node = cluster["a"]
+        silent = [await asyncio.open_connection(HOST, node.port) for _ in range(5)]  # no ClientHello: in handshake
+        try:
+            for _, writer in silent:  # admitted: each is held open, waiting for its handshake
+                assert not writer.transport.is_closing()
+            assert await _closed_at_once(await asyncio.open_connection(HOST, node.port))
+            series = 'replicator_connections_refused_total{limit="max_handshakes"}'
+            await wait_for(lambda: _at_least(cluster, series, 1), 10, "the refusal over max_handshakes counted")
+        finally:
+            for _, writer in silent:
+                writer.transport.abort()
+        refusals = [r for r in log_records(node) if r["event"] == "connection_refused"]
+        assert {r["limit"] for r in refusals} == {"max_handshakes"}, refusals
+        await wait_for(lambda: _serves(cluster), 10, "the node serving once the handshakes went")
+        await assert_serving(cluster, "a")
+    finally:
+        await cluster.close()
+
+
 async def _at_least(cluster: LocalCluster, series: str, value: float) -> bool:
     return await metric(cluster, series) >= value
 

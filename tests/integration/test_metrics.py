@@ -96,7 +96,15 @@ async def test_process_certificate_and_build_series(make_cluster: Any) -> None:
         coordinator = status["coordinator"]
         assert coordinator["pid"] == cluster["a"].process.pid and coordinator["pss_bytes"] > 0
         assert (value(samples, "replicator_coordinator_pss_bytes") or 0) > 0
-        assert status["pss_total_bytes"] == coordinator["pss_bytes"] + sum(w["pss_bytes"] for w in status["workers"])
+        # The node's other processes (multiprocessing's resource tracker) count too; none of them is a worker.
+        helpers = status["helpers"]
+        root = psutil.Process(cluster["a"].process.pid)
+        assert {h["pid"] for h in helpers} == {p.pid for p in root.children(recursive=True)} - {
+            w["pid"] for w in status["workers"]
+        }
+        assert all(h["pss_bytes"] > 0 for h in helpers)
+        parts = [coordinator, *helpers, *status["workers"]]
+        assert status["pss_total_bytes"] == sum(part["pss_bytes"] for part in parts)
 
         node_cert = x509.load_pem_x509_certificate((cluster["a"].dir / "a.pem").read_bytes())
         ca_cert = x509.load_pem_x509_certificate((cluster.dir / "ca" / "ca.pem").read_bytes())

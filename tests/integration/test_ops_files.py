@@ -89,6 +89,10 @@ EXPORTED: dict[str, frozenset[str]] = {
     # Issue 12: what a node really costs (proportional set size).
     "replicator_worker_pss_bytes": frozenset({"worker"}),
     "replicator_coordinator_pss_bytes": frozenset(),
+    # Issue 12: commits the senders learned of by the safety poll, not a notification.
+    "replicator_commits_caught_by_poll_total": frozenset(),
+    # Redials toward a peer held to its node-wide redial budget (replication.redial_rate).
+    "replicator_redials_deferred_total": frozenset({"peer"}),
     # Issue 10: blobs applied without their file.
     "replicator_blobs_missing_total": frozenset({"database"}),
     # Issue 11: build, traffic, commit and setup times, worker processes, certificates.

@@ -56,17 +56,20 @@ FLOATS = [
     ("replication.tombstone_retention", 0.0, 3650 * DAY, True),
     ("replication.prune_interval", 0.0, DAY, False),
     ("replication.failover_after", 0.0, DAY, False),
+    ("replication.send_auth_budget", 0.0, 3600.0, True),
     ("replication.max_clock_skew", 0.0, DAY, False),
     ("replication.antientropy_interval", 0.0, 30 * DAY, False),
     ("replication.antientropy_rate", 0.0, 1e9, False),
     ("replication.scrub_rate", 0.0, 1e9, False),
     ("replication.blob_rate", 0.0, 1e9, True),
+    ("replication.redial_rate", 0.0, 1e6, True),
     ("log.sample_window", 0.0, DAY, False),
 ]
 INTS = [
     ("replication.batch_size", 1, 100_000),
     ("replication.max_frame_bytes", 65536, 2**30),
     ("replication.window", 1, 1024),
+    ("replication.redial_burst", 1, 1_000_000),
     ("log.sample_burst", 1, 1_000_000),
     ("data.blob_threshold", 1024, 2**30),
     ("data.max_value_bytes", 1024, 2**30),
@@ -119,10 +122,23 @@ def test_the_base_config_is_accepted() -> None:
         ("replication.hosts", {"no spaces": "10.0.0.2"}, "key 'replication.hosts': 'no spaces' is not a host name"),
         ("replication.hosts", {"": "10.0.0.2"}, "key 'replication.hosts': '' is not a host name"),
         ("replication.recover_damaged", "yes", "key 'replication.recover_damaged'"),
+        (
+            "replication.redial_rate",
+            0.001,
+            "key 'replication.redial_rate': must be 0 (no budget) or at least 0.01 dials per second, got 0.001",
+        ),
+        ("replication.redial_burst", 0, "key 'replication.redial_burst': must be a whole number in 1..1000000, got 0"),
     ],
 )
 def test_a_value_that_makes_no_sense_names_the_key(key: str, value: Any, expected: str) -> None:
     assert expected in refused(with_value(key, value))
+
+
+def test_the_redial_rate_is_off_or_at_least_one_token_per_100_seconds() -> None:
+    assert from_mapping(with_value("replication.redial_rate", 0), SOURCE).replication.redial_rate == 0.0
+    assert from_mapping(with_value("replication.redial_rate", 0.01), SOURCE).replication.redial_rate == 0.01
+    assert "replication.redial_rate" in refused(with_value("replication.redial_rate", math.nextafter(0.01, 0.0)))
+    assert "replication.redial_rate" in refused(with_value("replication.redial_rate", 5e-324))
 
 
 def test_host_names_map_to_ipv4_or_ipv6_addresses() -> None:

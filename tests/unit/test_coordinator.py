@@ -142,6 +142,36 @@ def test_a_connect_report_resets_the_delay_and_cancels_nothing(loop: VirtualTime
     assert any(m.database == "db" for _, _, m in supervisor.of(messages.Subscribe))
 
 
+def test_node_updates_set_up_nothing_more_while_the_worker_sets_the_pair_up(loop: VirtualTimeLoop) -> None:
+    """A peer whose row changes with every database it opens sends an update per database; each one used to set up
+    again every pair still dialling, a no-op for the worker that took a slot of the ladder from a new pair."""
+    node, supervisor = make_node(loop)
+    add(node, peer("b", 2000))
+    loop.advance(1.0)
+    assert [(round(t, 6), m.database) for t, _, m in supervisor.of(messages.Subscribe)] == [
+        (0.3, "system"),
+        (0.35, "db"),
+    ]
+    for version in range(2, 60):  # updates while both sessions dial, with nothing reported yet
+        add(node, peer("b", 2000, version=version))
+        loop.advance(0.5)
+    assert len(supervisor.of(messages.Subscribe)) == 2 and node.scheduler.pending == 0
+    # db's dial failed: the next update sets it up again, on its schedule; system, still dialling, is left alone.
+    entry = node.map.by_peer("b")
+    assert entry is not None
+    failed = messages.Disconnected(key=entry.key, database="db", worker=entry.worker, session=1, error="refused")
+    node.on_worker_message(entry.worker, failed)
+    add(node, peer("b", 2000, version=60))
+    assert node.scheduler.is_armed(entry.url, "db") and not node.scheduler.is_armed(entry.url, "system")
+    # A changed subscription is set up whatever the worker is doing.
+    add(node, peer("b", 2000, leader=True, version=61))
+    assert node.scheduler.is_armed(entry.url, "system")
+    # A worker that exits takes its setups with it: the stale sweep sets them up again on a live worker.
+    supervisor.workers[entry.worker].alive = False
+    node.on_worker_exit(supervisor.workers[entry.worker])  # type: ignore[arg-type]
+    assert all(pair.dispatched_to is None for pair in entry.pairs.values())
+
+
 def test_exclusions_name_the_other_direct_peers_never_this_node(loop: VirtualTimeLoop) -> None:
     node, supervisor = make_node(loop)
     add(node, peer("b", 2000))
@@ -475,6 +505,97 @@ def test_a_registry_update_adding_several_pairs_dispatches_them_stagger_apart(
         node.store.close()
 
 
+def test_a_registry_change_looks_only_at_the_nodes_it_changed_and_a_poke_at_all(
+    loop: VirtualTimeLoop, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pass over every pair per registry change is O(pairs) per new row, and peers write a row per database they
+    open: only the nodes whose view changed are looked at, and everything after a poke."""
+    from replicator.shared import membership, revocation
+    from replicator.shared.store import NodeRow, Store
+    from replicator.shared.tls import create_ca, issue_node_cert
+
+    create_ca(tmp_path / "ca")
+    node, _ = make_node(loop)
+    node.store = Store(tmp_path, "self")
+    node.verifier = membership.Verifier(revocation.load_ca_cert(tmp_path / "ca" / "ca.pem"))
+    looked: list[str] = []
+    update = node.on_node_update
+
+    def on_node_update(view: NodeView, event: bool = True) -> None:
+        looked.append(view.name)
+        update(view, event)
+
+    monkeypatch.setattr(node, "on_node_update", on_node_update)
+    try:
+        system = node.system()
+        signers = {
+            name: membership.Signer.load(name, *issue_node_cert(tmp_path / "ca", name, ["127.0.0.1"], tmp_path))
+            for name in ("b", "c")
+        }
+
+        def write_row(name: str, port: int, holds: list[str], version: int) -> None:
+            row = NodeRow(name=name, url=f"wss://127.0.0.1:{port}", replicates=True, holds=holds)
+            system.apply_batch([membership.signed_entry(signers[name], membership.NODES, row, version)])
+
+        write_row("b", 2000, ["db1"], 1_700_000_000_000_000)
+        write_row("c", 3000, ["db1"], 1_700_000_000_000_000)
+        node.sync_registry(system)
+        assert looked == ["b", "c"]
+        write_row("b", 2000, ["db1", "db2"], 1_700_000_000_000_001)
+        looked.clear()
+        node.sync_registry(system)
+        assert looked == ["b"]
+        assert sorted(node.map.by_peer("b").pairs) == ["db1", "db2", "system"]  # type: ignore[union-attr]
+        looked.clear()
+        node.sync_registry(system)
+        assert looked == []
+        node.poke_registry()
+        node.sync_registry(system)
+        assert looked == ["b", "c"]
+    finally:
+        node.store.close()
+
+
+def test_databases_opened_together_are_advertised_in_one_row(
+    loop: VirtualTimeLoop, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The own row lists every database the node holds, and each new row is a registry change on every peer: a
+    burst of new databases is written as one row, on the registry watcher's next turn."""
+    from replicator.shared import membership, revocation
+    from replicator.shared.store import Store
+    from replicator.shared.tls import create_ca, issue_node_cert
+
+    create_ca(tmp_path / "ca")
+    node, _ = make_node(loop)
+    node.store = Store(tmp_path, "self")
+    node.verifier = membership.Verifier(revocation.load_ca_cert(tmp_path / "ca" / "ca.pem"))
+    node.signer = membership.Signer.load("self", *issue_node_cert(tmp_path / "ca", "self", ["127.0.0.1"], tmp_path))
+    node.holds = {"system"}
+    written: list[tuple[float, list[str]]] = []
+    write = membership.write
+
+    def counted(db: Any, signer: Any, table: str, row: Any) -> int:
+        written.append((loop.time(), sorted(row.holds)))
+        return write(db, signer, table, row)
+
+    monkeypatch.setattr(membership, "write", counted)
+    watcher = loop.create_task(node._registry_loop())
+    try:
+        loop.advance(1.0)
+        assert written == [(0.0, ["system"])]
+        for name in ("d1", "d2", "d3"):
+            node.on_worker_message(0, messages.DatabaseOpened(name=name))
+        assert len(written) == 1 and node.holds == {"system", "d1", "d2", "d3"}
+        loop.advance(1.0)
+        assert written[1:] == [(1.2, ["d1", "d2", "d3", "system"])]
+        own = node.verifier.own_row(node.system(), "self")
+        assert own is not None and sorted(own[0].holds) == ["d1", "d2", "d3", "system"]
+    finally:
+        watcher.cancel()
+        loop.run(asyncio.gather(watcher, return_exceptions=True))
+        node.store.close()
+
+
 def test_a_registry_update_during_a_stale_sweep_keeps_the_spacing(loop: VirtualTimeLoop) -> None:
     node, supervisor = make_node(loop)
     b = peer("b", 2000)
@@ -595,6 +716,53 @@ def test_the_wedge_clock_of_a_pair_that_never_connected_starts_at_its_latest_dis
     node.reconcile()
     loop.advance(1.0)
     assert node.redrives["wedge"] == 2  # system and db, one slot each
+
+
+def test_a_pair_backing_off_on_its_own_schedule_is_not_wedged(loop: VirtualTimeLoop) -> None:
+    """A long outage: the worker's session keeps failing and says when it dials again. Forcing a dial every
+    threshold past that schedule would redial every pair of the node each 35 s (the fleet simulation's finding);
+    only a pair whose promised retry passed by the threshold without a report is wedged."""
+    node, supervisor = make_node(loop)
+    add(node, peer("b", 2000))
+    loop.advance(1.0)
+    _accept_all(node, peer("b", 2000))
+    entry = node.map.by_peer("b")
+    assert entry is not None
+    for database in ("system", "db"):
+        node.on_worker_message(
+            entry.worker, messages.Connected(key=entry.key, database=database, worker=entry.worker, session=1)
+        )
+    loop.advance_to(10.0)
+    # The peer goes away; the sessions back off, reporting each failed attempt and the next dial (up to 30 s).
+    when, session, delay = 10.0, 1, 1.0
+    while when < 200.0:
+        for database in ("system", "db"):
+            report = messages.Disconnected(
+                key=entry.key,
+                database=database,
+                worker=entry.worker,
+                session=session,
+                error="connection refused",
+                reconnect_in=delay,
+                attempts=session,
+            )
+            node.on_worker_message(entry.worker, report)
+        when, session, delay = when + delay, session + 1, min(30.0, delay * 2)
+        loop.advance_to(when)
+        node.reconcile()
+    loop.advance(1.0)
+    assert node.redrives["wedge"] == 0
+    assert _force_reconnects(supervisor, entry.key) == []
+    # The worker goes silent (its session is stuck): once the promised dial is a threshold late, it is re-driven.
+    last_due = when
+    loop.advance_to(last_due + WEDGE - 1.0)
+    node.reconcile()
+    loop.advance(0.5)
+    assert node.redrives["wedge"] == 0
+    loop.advance_to(last_due + WEDGE + 0.5)
+    node.reconcile()
+    loop.advance(1.0)
+    assert node.redrives["wedge"] == 2
 
 
 # -- tombstone purge ---------------------------------------------------------------------------------------------

@@ -1,9 +1,11 @@
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import random
 import shutil
 import sqlite3
+import threading
 from collections.abc import Iterator
 from contextlib import closing
 from pathlib import Path
@@ -804,3 +806,50 @@ def test_marks_move_the_clock_past_what_peers_hold(db: Database, clock: FakeCloc
     ahead = clock.us + 30_000_000
     db.apply_batch([], {"main-peer": ahead})
     assert db.put("t", "x", b"") == ahead + 1
+
+
+def _cache_size(db: Database) -> int:
+    return db._conn.execute("PRAGMA cache_size").fetchone()[0]
+
+
+def _statements(db: Database) -> int:
+    """How many statements the connection keeps prepared (its LRU cache, seen through the garbage collector)."""
+    (cache,) = [held for held in gc.get_referents(db._conn) if hasattr(held, "cache_info")]
+    return cache.cache_info().currsize
+
+
+def test_a_database_nobody_commits_to_becomes_lean_and_a_commit_brings_its_cache_back(store: Store) -> None:
+    db = store.database("main", create=True)
+    idle = store.database("idle", create=True)
+    for i in range(50):
+        db.put("t", f"k{i}", b"v" * 100)
+    full = _cache_size(db)
+    assert store.trim() == 1  # idle had no commit since it was opened; main had some: it stays as it is
+    assert _cache_size(idle) == 2 and _statements(idle) == 1  # only the PRAGMA just asked
+    assert _cache_size(db) == full and _statements(db) > 1
+    assert store.trim() == 1 and _cache_size(db) == 2 and _statements(db) == 1  # now main too
+    assert store.trim() == 0  # lean already
+
+    # Lean, a database reads and writes as before; a commit gives its cache back on the next call.
+    assert db.get("t", "k7") is not None and len(db.scan("t", None, 100)) == 50
+    db.put("t", "again", b"v")
+    assert db.trim() is False and _cache_size(db) == full
+    assert db.trim() is True and _cache_size(db) == 2
+
+
+def test_trim_never_waits_for_a_caller_and_skips_a_closed_database(store: Store) -> None:
+    db = store.database("main", create=True)
+    db.trim()
+    seen: list[bool] = []
+
+    def value(version: int) -> bytes:
+        # Inside the write transaction: a trim from another thread finds the connection in use and skips it.
+        trimmer = threading.Thread(target=lambda: seen.append(db.trim()))
+        trimmer.start()
+        trimmer.join()
+        return b"during"
+
+    db.put_versioned("t", "busy", value)
+    assert seen == [False] and db.get("t", "busy") is not None
+    db.close()
+    assert db.trim() is False  # closed: nothing to trim, no error

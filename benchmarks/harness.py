@@ -1,0 +1,80 @@
+"""What the benchmarks share: load the code of a given tree, and measure a git revision beside this tree.
+
+A benchmark that compares against a baseline runs itself twice per round, in child processes: once with
+`--code TREE` for the files of the baseline revision, once for this tree. Both sides run the same script
+file, so only the code under test differs, not the measurement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def use_code(code: Path, module: str = "coordinator.local_cluster") -> ModuleType:
+    """`module` (under the `replicator` import root) from the tree `code`, whose nodes then run that tree's code.
+
+    The nodes run the coordinator's module with PYTHONPATH set to the tree LocalCluster is loaded from, but `-m`
+    puts the working directory ahead of PYTHONPATH, so the working directory must be that tree too. A tree has the
+    `replicator` import root in `src/` (or, before it had one, the folders themselves were the packages).
+    """
+    os.chdir(code)
+    if (code / "src" / "replicator").is_dir():
+        sys.path[:0] = [str(code / "src"), str(code)]
+        loaded = importlib.import_module(f"replicator.{module}")
+    else:
+        sys.path.insert(0, str(code))
+        loaded = importlib.import_module(module)
+    origin = Path(loaded.__file__ or "").resolve()
+    if not origin.is_relative_to(code):
+        raise RuntimeError(f"{module} came from {origin}, not from {code}")
+    return loaded
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(REPO), *args], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def revisions(baseline: str) -> tuple[str, str]:
+    """(the baseline's commit, a name for this tree: its commit, `-dirty` when it has changes)."""
+    return git("rev-parse", "--verify", f"{baseline}^{{commit}}"), git("describe", "--always", "--dirty", "--abbrev=12")
+
+
+@contextlib.contextmanager
+def baseline_tree(rev: str) -> Iterator[Path]:
+    """The files of `rev` in a temporary directory (`git archive`: the repository itself is not touched), removed
+    afterwards."""
+    with tempfile.TemporaryDirectory(prefix="replicator-baseline-") as holder:
+        tree = Path(holder) / "tree"
+        with tempfile.TemporaryFile() as tar:
+            subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", rev], check=True, stdout=tar)
+            tar.seek(0)
+            with tarfile.open(fileobj=tar) as archive:
+                archive.extractall(tree, filter="data")
+        yield tree
+
+
+def run_side(script: str | Path, code: Path, args: list[str]) -> dict:
+    """One measurement of the tree `code`: `script --code code ARGS` in a child process; its JSON output."""
+    command = [sys.executable, str(Path(script).resolve()), "--code", str(code), *args]
+    done = subprocess.run(command, cwd=code, stdout=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"benchmark of {code} exited with {done.returncode}")
+    return json.loads(done.stdout)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) of `values`, nearest rank."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
