@@ -56,6 +56,8 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness
@@ -76,9 +78,10 @@ TOLERATED_DROP = 0.10
 
 
 def _value(index: int, size: int, tag: str = "") -> bytes:
-    """A value of `size` bytes, different for every record (and every tag)."""
-    unit = f"{tag}{index:010d}|".encode()
-    return (unit * (size // len(unit) + 1))[:size]
+    """A value of about `size` bytes, different for every record (and every tag): a msgpack string, as the data API
+    stores one (a peer's value that is not msgpack is refused, by anti-entropy too)."""
+    unit = f"{tag}{index:010d}|"
+    return msgspec.msgpack.encode((unit * (size // len(unit) + 1))[: size - 3])
 
 
 def _timed(work: Callable[[], Any]) -> tuple[Any, float, float]:

@@ -40,8 +40,8 @@ class Bench:
     name: str
     script: str
     what: str
-    args: list[str] = field(default_factory=list)
-    quick: list[str] = field(default_factory=list)
+    args: list[str] = field(default_factory=list)  # the full run's options
+    quick: list[str] = field(default_factory=list)  # `--quick`: these instead (the full ones when empty)
     # Paths (dot-separated keys into the JSON) of the figures that go in the table; missing ones are skipped.
     headline: list[str] = field(default_factory=list)
 
@@ -128,7 +128,7 @@ def machine() -> dict[str, Any]:
 
 
 def run(bench: Bench, quick: bool) -> dict[str, Any]:
-    args = [*bench.args, *(bench.quick if quick else [])]
+    args = bench.quick if quick and bench.quick else bench.args
     command = [sys.executable, str(HERE / bench.script), *args]
     print(f"== {bench.name}: {' '.join(command[1:])}", file=sys.stderr, flush=True)
     started = time.monotonic()

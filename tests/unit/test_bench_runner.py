@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from replicator.shared import wire
 from tests.unit import benchmark_scripts
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,3 +64,12 @@ def test_an_unknown_benchmark_name_is_an_error_naming_the_known_ones(capsys: pyt
 def test_figures_without_a_headline_are_flattened() -> None:
     result = {"a": 1, "nested": {"b": 2.5, "deeper": {"c": "x"}}, "rows": [1, 2]}
     assert runner._scalars(result) == [("a", 1), ("nested.b", 2.5), ("nested.deeper.c", "x")]
+
+
+def test_the_antientropy_benchmark_writes_values_a_peer_may_send() -> None:
+    """Anti-entropy refuses a value that is not msgpack, so a benchmark writing raw bytes repaired nothing."""
+    antientropy = benchmark_scripts.load("antientropy")
+    values = [antientropy._value(index, 100, tag) for index in (0, 7, 123_456) for tag in ("", "newer", "rot")]
+    entries = [wire.Entry(table="items", id=f"r{i}", value=v, version=1, origin="a") for i, v in enumerate(values)]
+    assert wire.bad_value(entries) is None
+    assert len(set(values)) == len(values) and all(90 <= len(value) <= 100 for value in values)
