@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
+import psutil
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -72,6 +74,18 @@ def run_side(script: str | Path, code: Path, args: list[str]) -> dict:
     if done.returncode != 0:
         raise RuntimeError(f"benchmark of {code} exited with {done.returncode}")
     return json.loads(done.stdout)
+
+
+def cpu_seconds(processes: dict[str, psutil.Process]) -> dict[str, float]:
+    """CPU time (user + system) each process has used so far, by role; a process that is gone is left out."""
+    used = {}
+    for role, process in processes.items():
+        try:
+            times = process.cpu_times()
+        except psutil.Error:
+            continue
+        used[role] = times.user + times.system
+    return used
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -225,25 +225,14 @@ def memory_figures(tree: Tree, processes: dict[str, psutil.Process]) -> dict[str
     }
 
 
-def cpu_seconds(processes: dict[str, psutil.Process]) -> dict[str, float]:
-    used = {}
-    for role, process in processes.items():
-        try:
-            times = process.cpu_times()
-        except psutil.Error:
-            continue
-        used[role] = times.user + times.system
-    return used
-
-
 async def idle_cpu(nodes: dict[str, dict[str, psutil.Process]], seconds: float) -> dict[str, Any]:
     """Percent of one core each process used over `seconds` with nothing written."""
-    before = {name: cpu_seconds(found) for name, found in nodes.items()}
+    before = {name: harness.cpu_seconds(found) for name, found in nodes.items()}
     own_before = psutil.Process().cpu_times()
     started = time.monotonic()
     await asyncio.sleep(seconds)
     elapsed = time.monotonic() - started
-    after = {name: cpu_seconds(found) for name, found in nodes.items()}
+    after = {name: harness.cpu_seconds(found) for name, found in nodes.items()}
     own_after = psutil.Process().cpu_times()
     figures: dict[str, Any] = {"seconds": round(elapsed, 2)}
     for name in nodes:

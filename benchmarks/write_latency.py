@@ -58,17 +58,6 @@ def _workers(node: Any) -> dict[str, psutil.Process]:
     return found
 
 
-def _cpu(processes: dict[str, psutil.Process]) -> dict[str, float]:
-    used = {}
-    for role, process in processes.items():
-        try:
-            times = process.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        used[role] = times.user + times.system
-    return used
-
-
 async def _one_at_a_time(cluster: Any, writes: int, interval: float) -> None:
     """Each write on a new connection, so the node's workers take them in turn (SO_REUSEPORT): a write then lands
     in the worker that serves b's subscription or in the other one, and both paths are measured."""
@@ -107,11 +96,11 @@ async def measure(code: Path, writes: int, interval: float, databases: int, idle
                 await cluster.wait_converged(name, timeout=120)
             await asyncio.sleep(5.0)  # let setup, first progress reports and heartbeats settle
             processes = {node: _workers(cluster.nodes[node]) for node in ("a", "b")}
-            before = {node: _cpu(found) for node, found in processes.items()}
+            before = {node: harness.cpu_seconds(found) for node, found in processes.items()}
             started = time.monotonic()
             await asyncio.sleep(idle_seconds)
             elapsed = time.monotonic() - started
-            after = {node: _cpu(found) for node, found in processes.items()}
+            after = {node: harness.cpu_seconds(found) for node, found in processes.items()}
         finally:
             cluster.stop()
             await cluster.close()
