@@ -52,10 +52,15 @@ class ChangeFeed:
         self._changed.set()
         self._changed = asyncio.Event()
 
-    async def wait(self, timeout: float | None = None) -> None:
-        """Return after the next commit to the database (or after `timeout`)."""
+    async def wait(self, timeout: float | None = None, *, polled: bool = True) -> None:
+        """Return after the next commit to the database (or after `timeout`).
+
+        `polled` False: this waiter does not make the safety poll look at the database. It suits a waiter with a
+        slow check of its own (its `timeout`), for which a lost ring costs a late report, not a stalled stream.
+        """
         changed = self._changed
-        self.waiters += 1
+        if polled:
+            self.waiters += 1
         try:
             if timeout is None:
                 await changed.wait()
@@ -65,7 +70,8 @@ class ChangeFeed:
                 except TimeoutError:
                     pass
         finally:
-            self.waiters -= 1
+            if polled:
+                self.waiters -= 1
 
     def close(self) -> None:
         self._wake()

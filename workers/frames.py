@@ -20,6 +20,16 @@ T = TypeVar("T")
 BYTES_SENT = "replicator_bytes_sent_total"
 BYTES_RECEIVED = "replicator_bytes_received_total"
 
+# Keepalive: what an idle session costs, and how soon a frozen peer is seen (within 15 s, tests/integration/
+# test_health.py). The subscriber pings once nothing was received for SUBSCRIBER_HEARTBEAT; aiohttp rounds a
+# heartbeat above 5 s up to the loop's next whole second, which also makes the pings of a worker's idle sessions fall
+# on the same ticks. A ping is due at most 7.5 s after the last frame, its pong within half the heartbeat: a frozen
+# sender is seen within 10.75 s. The sending end's heartbeat is longer than the subscriber's longest ping interval,
+# so while pings arrive (every frame received puts it off) it sends none: one ping and pong per 7 s or so per idle
+# session. A frozen subscriber is seen within 16 s.
+SUBSCRIBER_HEARTBEAT = 6.5
+SENDER_HEARTBEAT = 10.0
+
 
 class Metered:
     """A session's WebSocket whose replication frames are counted as they pass: the bytes of each binary frame's

@@ -174,10 +174,8 @@ class ReplicationServer:
         ws = web.WebSocketResponse(
             protocols=[wire.SUBPROTOCOL],
             max_msg_size=self._ctx.config.replication.max_frame_bytes,
-            # A frozen subscriber misses its pong: the session ends within about 11 s. Longer than the subscriber's
-            # 5 s on purpose: every frame received puts the heartbeat off, so while the subscriber's pings arrive
-            # this end sends none, and an idle session costs one ping and pong per 5 s, not two.
-            heartbeat=7.5,
+            # Longer than the subscriber's on purpose (workers.frames): while its pings arrive this end sends none.
+            heartbeat=frames.SENDER_HEARTBEAT,
         )
         await ws.prepare(request)
         if ws.ws_protocol != wire.SUBPROTOCOL:

@@ -46,6 +46,7 @@ HANDSHAKE_TIMEOUT = 15.0
 DIAL_TIMEOUT = 15.0
 PROGRESS_INTERVAL = 0.5
 HOLDS_INTERVAL = 5.0
+HOLDS_RECHECK = 60.0  # an idle pair's holds check when no commit woke it (a lost ring)
 STAYED_UP = 10.0  # a session up this long counts as progress: the reconnect schedule starts over
 
 
@@ -323,7 +324,7 @@ class PeerSession:
             protocols=[wire.SUBPROTOCOL],
             ssl=self._ctx.client_ssl,
             max_msg_size=self._ctx.config.replication.max_frame_bytes,
-            heartbeat=5.0,  # a frozen peer misses its pong: the session ends within about 10 s
+            heartbeat=frames.SUBSCRIBER_HEARTBEAT,  # a frozen peer misses its pong: the session ends within 11 s
             timeout=aiohttp.ClientWSTimeout(ws_close=5.0),
         )
 
@@ -439,14 +440,20 @@ class PeerSession:
             self._token = None
 
     async def _send_holds(self, ws: Any, db: Any, sent: dict[str, int], sending: asyncio.Lock) -> None:
-        """Tell the sender what this node holds, when it changed, every HOLDS_INTERVAL: origins it gets over other
-        links too, which the sender cannot see from its own acknowledged marks."""
+        """Tell the sender what this node holds, when it changed, at most every HOLDS_INTERVAL: origins it gets over
+        other links too, which the sender cannot see from its own acknowledged marks.
+
+        It wakes on the database's commits (workers.changes), not on a timer: an idle pair costs nothing. Without
+        the safety poll behind it (a lost ring would only delay a report), it looks by itself every HOLDS_RECHECK.
+        """
+        feed = self._ctx.feeds.get(db.name)
         version: int | None = None  # the file's data_version when progress was last read
         while True:
             await asyncio.sleep(HOLDS_INTERVAL)
             now = db.data_version()
-            if now == version:
-                continue  # nothing committed since: what it holds has not moved (an idle pair reads nothing)
+            while now == version:  # nothing committed since: what it holds has not moved (an idle pair reads nothing)
+                await feed.wait(HOLDS_RECHECK, polled=False)
+                now = db.data_version()
             version = now
             progress = db.progress()
             if progress != sent:

@@ -1,6 +1,7 @@
 """The sending end at rest (issue 12, a thousand pairs on a node): an idle session reads nothing and wakes for
 nothing until a commit; a commit made while it told the subscriber it had caught up is served at once; the holds a
-subscriber acknowledges are reported on a timer of the session's own, at most once per HOLDS_INTERVAL."""
+subscriber acknowledges are reported on a timer of the session's own, at most once per HOLDS_INTERVAL; the
+subscriber's own holds report wakes on commits, not on a timer."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ import pytest
 
 from replicator.shared import messages, wire
 from replicator.shared.config import from_mapping
-from replicator.shared.store import Store
+from replicator.shared.store import Database, Store
 from replicator.workers.changes import ChangeFeeds
 from replicator.workers.counters import Counters
 from replicator.workers.sender import HOLDS_INTERVAL, OriginPlan, Sender
+from replicator.workers.session import HOLDS_RECHECK, PeerSession
 from tests.unit.fakeloop import VirtualTimeLoop
 
 
@@ -130,4 +132,55 @@ def test_acknowledged_holds_are_reported_once_per_interval_by_the_sessions_own_t
     assert [h.complete for h in holds] == [{}, {"q": 11}]
     loop.advance_to(600.0)
     assert len([r for r in reports if isinstance(r, messages.PeerHolds)]) == 2  # at rest: nothing more
+    loop.run(feeds.close())
+
+
+def test_the_subscribers_holds_wake_on_commits_and_read_nothing_at_rest(
+    store: Store, loop: VirtualTimeLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The receiving end's holds report: sent when a commit moved what the node holds, at most once per
+    HOLDS_INTERVAL, with no read of the file while nothing is committed but one check per HOLDS_RECHECK, which
+    finds a commit whose notification was lost."""
+    versions: list[float] = []
+    real = Database.data_version
+
+    def counted(db: Database) -> int:
+        versions.append(loop.time())
+        return real(db)
+
+    monkeypatch.setattr(Database, "data_version", counted)
+    db = store.database("db", create=True)
+    feeds = ChangeFeeds(lambda name: store.database(name), safety_interval=1.0)
+    store.on_commit = feeds.committed
+    feeds.start(loop)
+    session = object.__new__(PeerSession)
+    session._ctx = SimpleNamespace(feeds=feeds)  # type: ignore[assignment]
+    ws = Socket()
+    holds = loop.create_task(session._send_holds(ws, db, {}, asyncio.Lock()))
+    db.apply_batch([], {"q": 1})  # what a session applies from a peer moves the holds
+    loop.advance_to(HOLDS_INTERVAL)
+    assert [m.progress for m in ws.sent if isinstance(m, wire.Holds)] == [{"q": 1}]
+    versions.clear()
+    loop.advance_to(100.0)
+    # At rest: one look, then asleep on the feed (which the safety poll does not read for it), one look a recheck.
+    assert versions == [2 * HOLDS_INTERVAL, 2 * HOLDS_INTERVAL + HOLDS_RECHECK]
+    db.apply_batch([], {"q": 2})
+    loop.advance(0.0)
+    assert [m.progress for m in ws.sent if isinstance(m, wire.Holds)] == [{"q": 1}, {"q": 2}]  # woken at once
+    db.apply_batch([], {"q": 3})
+    loop.advance_to(100.0 + HOLDS_INTERVAL - 0.001)
+    assert len([m for m in ws.sent if isinstance(m, wire.Holds)]) == 2  # at most one report per HOLDS_INTERVAL
+    loop.advance_to(100.0 + HOLDS_INTERVAL)
+    assert [m.progress for m in ws.sent if isinstance(m, wire.Holds)][-1] == {"q": 3}
+    # A commit no notification announced (a tool writing the file): found at the next recheck, not before.
+    loop.advance_to(200.0)
+    store.on_commit = None
+    db.apply_batch([], {"q": 4})
+    asleep = 100.0 + 2 * HOLDS_INTERVAL + HOLDS_RECHECK  # its last look found nothing new
+    loop.advance_to(asleep + HOLDS_RECHECK - 0.001)
+    assert len([m for m in ws.sent if isinstance(m, wire.Holds)]) == 3
+    loop.advance_to(asleep + HOLDS_RECHECK)
+    assert [m.progress for m in ws.sent if isinstance(m, wire.Holds)][-1] == {"q": 4}
+    holds.cancel()
+    loop.run(asyncio.gather(holds, return_exceptions=True))
     loop.run(feeds.close())
