@@ -4,8 +4,8 @@ Two nodes run on loopback, a and b (LocalCluster, `--workers` workers each, repl
 operator would run them. The figures are node a's, its peer's beside them:
 
 (a) at rest with one database: PSS of the coordinator, of each worker and of every other process the coordinator
-    started (multiprocessing's resource tracker, a forkserver), their total, and what `/status` says the total is
-    (`pss_total_bytes`);
+    started (the worker template, multiprocessing's resource tracker, a forkserver), their total, and what
+    `/status` says the total is (`pss_total_bytes`);
 (b) the same with `--databases` databases (100), each created by one write through the data API, all replicated
     to the peer and then left idle;
 (c) the increment per database added, (b) - (a) over the databases added;
@@ -56,7 +56,8 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 PFN_MASK = (1 << 55) - 1
 PRESENT = 1 << 63
 TABLE = "t"
-HELPER_ROLES = ("resource_tracker", "forkserver")
+# What names each helper in its command line or its process name (the worker template renames itself), and its role.
+HELPER_ROLES = {"resource_tracker": "resource_tracker", "forkserver": "forkserver", "replicator-tmpl": "template"}
 # Issue 12: the node (coordinator and two workers) at rest, each further idle database, the peak under load.
 TARGET_REST_BYTES = 90 * MIB
 TARGET_PER_DATABASE_BYTES = 0.2 * MIB
@@ -104,10 +105,10 @@ def _processes(node: Any, workers: set[int]) -> dict[int, str]:
             roles[child.pid] = "worker"
         else:
             try:
-                cmdline = " ".join(child.cmdline())
+                label = child.name() + " " + " ".join(child.cmdline())
             except psutil.Error:
                 continue
-            roles[child.pid] = next((role for role in HELPER_ROLES if role in cmdline), "other")
+            roles[child.pid] = next((role for marker, role in HELPER_ROLES.items() if marker in label), "other")
     return roles
 
 

@@ -370,7 +370,8 @@ def status_document(node: AdminView) -> dict[str, Any]:
             )
         connections.append({"peer": entry.peer, "url": entry.url, "worker": entry.worker, "databases": databases})
     coordinator = {"pid": os.getpid(), "pss_bytes": memory.pss_bytes(os.getpid()) or 0}
-    # The other processes the coordinator started (multiprocessing's resource tracker) are the node's too.
+    # The other processes the coordinator started (the worker template; multiprocessing's resource tracker when
+    # workers are spawned) are the node's too.
     worker_pids = [handle.pid for handle in node.supervisor.workers.values() if handle.pid]
     helpers = [
         {"pid": pid, "pss_bytes": memory.pss_bytes(pid) or 0} for pid in memory.helpers(os.getpid(), worker_pids)

@@ -13,10 +13,13 @@ import os
 import sys
 import textwrap
 from collections.abc import Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from replicator.shared.config import Config, ConfigError, load
 from replicator.shared.logs import bridge_logging, log
+
+if TYPE_CHECKING:
+    from replicator.coordinator.template import WorkerTemplate
 
 EXIT_USAGE = 2
 ADMIN_ENV = "REPLICATOR_ADMIN"
@@ -457,13 +460,34 @@ def _run(args: argparse.Namespace) -> int:
         config.log.format = args.log_format
     log.configure_from(config.log, node=config.node.name, proc="coordinator")
     bridge_logging(log)
-    return _asyncio_run(_serve(config, args.workers, args.check_integrity))
+    # Imported now, before the event loop and its threads exist, what a worker runs is in the worker template forked
+    # below, which shares it with every worker it forks: the node (its supervisor imports the worker), and the
+    # certificate backend, which each process would otherwise load on its first certificate.
+    import cryptography.hazmat.backends.openssl  # noqa: F401
+
+    from replicator.coordinator.node import Node  # noqa: F401
+    from replicator.coordinator.template import start_template
+
+    template = start_template()
+    try:
+        return _asyncio_run(_serve(config, args.workers, args.check_integrity, template))
+    finally:
+        if template is not None:
+            template.close()
 
 
-async def _serve(config: Config, cli_workers: int | None, check_integrity: bool = False) -> int:
+async def _serve(
+    config: Config, cli_workers: int | None, check_integrity: bool = False, template: WorkerTemplate | None = None
+) -> int:
     from replicator.coordinator.node import Node
 
-    node = Node(config, loop=asyncio.get_running_loop(), cli_workers=cli_workers, check_integrity=check_integrity)
+    node = Node(
+        config,
+        loop=asyncio.get_running_loop(),
+        cli_workers=cli_workers,
+        check_integrity=check_integrity,
+        worker_template=template,
+    )
     return await node.run()
 
 

@@ -36,6 +36,7 @@ from replicator.coordinator.routing import Router
 from replicator.coordinator.sd_notify import Notifier, status_text
 from replicator.coordinator.setup_scheduler import SetupScheduler
 from replicator.coordinator.supervisor import PauseMonitor, Supervisor, WorkerHandle
+from replicator.coordinator.template import WorkerTemplate
 from replicator.shared import config as config_module
 from replicator.shared import membership, messages, revocation
 from replicator.shared.backoff import Backoff
@@ -72,6 +73,7 @@ class Node:
         supervisor: Supervisor | None = None,
         check_integrity: bool = False,
         routes: list[PeerSection] | None = None,
+        worker_template: WorkerTemplate | None = None,
     ) -> None:
         # Static routes for this run only (`replicator clone` dials its leader), on top of the file's [[peers]]:
         # kept across reloads, and given up for a route of the same name the file gains.
@@ -98,6 +100,7 @@ class Node:
             self._on_boot_error,
             loop=self.loop,
             rng=self.rng,
+            template=worker_template,
         )
         self.scheduler = self._new_scheduler()
         # One sweep for every path that dispatches (registry, stale workers, wedge re-drives, scaling): any two

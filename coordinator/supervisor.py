@@ -1,4 +1,9 @@
-"""The supervisor: worker processes (spawn context), one duplex pipe each, exits watched, respawns paced.
+"""The supervisor: worker processes, one duplex pipe each, exits watched, respawns paced.
+
+Workers are forked by the worker template (coordinator.template) when the node has one, so that they share the
+coordinator's imported code; otherwise, or once the template is lost, they are started with the spawn context.
+Either way a worker is a child of the coordinator, and its exit code reads as multiprocessing's (the status, or
+minus the signal that killed it).
 
 A worker that exits is respawned on the one backoff schedule (0.5 -> 30 s, full jitter), reset once a worker stayed
 up for RESPAWN_HEALTHY_UPTIME; a crash loop therefore slows down instead of spinning. A worker that exits with
@@ -14,10 +19,11 @@ import os
 import socket
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
+from replicator.coordinator.template import StartRefused, TemplateLost, WorkerTemplate
 from replicator.shared import messages
 from replicator.shared.backoff import Backoff
 from replicator.shared.logs import log
@@ -96,10 +102,49 @@ async def wait_until(condition: Callable[[], bool], changed: asyncio.Event, time
     return True
 
 
+class WorkerProcess(Protocol):
+    """A running worker process, forked (coordinator.template.ForkedWorker) or spawned (SpawnedWorker)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def sentinel(self) -> int:
+        """A descriptor that turns readable once the process has exited."""
+        ...
+
+    def kill(self) -> None: ...
+
+    def reap(self) -> int | None:
+        """The exit code, once the sentinel is readable: the status, or minus the signal that killed it."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class SpawnedWorker:
+    """A worker started with multiprocessing's spawn context."""
+
+    def __init__(self, process: BaseProcess) -> None:
+        self._process = process
+        self.pid = process.pid or 0
+        self.sentinel = process.sentinel
+
+    def kill(self) -> None:
+        self._process.kill()
+
+    def reap(self) -> int | None:
+        self._process.join(timeout=1.0)
+        return self._process.exitcode
+
+    def close(self) -> None:
+        self._process.close()
+
+
 class WorkerHandle:
     def __init__(self, slot: int, rng: Callable[[], float], clock: Callable[[], float]) -> None:
         self.slot = slot
-        self.process: BaseProcess | None = None
+        self.process: WorkerProcess | None = None
         self.pid = 0
         self.ready = False
         self.alive = False
@@ -126,6 +171,7 @@ class Supervisor:
         *,
         loop: asyncio.AbstractEventLoop,
         rng: Callable[[], float],
+        template: WorkerTemplate | None = None,
     ) -> None:
         self._config_bytes = config_bytes
         self._on_message = on_message
@@ -141,6 +187,10 @@ class Supervisor:
         self.respawns = 0  # over the node's life, retired slots included: the restarts counter reads it
         # The coordinator's commit doorbell (shared.notify): it rings the workers the supervisor runs.
         self.doorbell: Doorbell | None = None
+        # The process that forks workers (coordinator.template), owned by whoever started it; None: spawn them.
+        self.template = template
+        if template is not None:
+            self._loop.add_reader(template.sentinel, self._template_exited)
 
     # -- queries ------------------------------------------------------------------------------------------------
 
@@ -170,18 +220,10 @@ class Supervisor:
         elif handle.alive:
             return handle
         handle.respawn_timer = None
-        parent, child = self._context.Pipe(duplex=True)
-        process = self._context.Process(
-            target=worker_entry,
-            args=(slot, self._config_bytes(), child),
-            name=f"replicator-worker-{slot}",
-        )
-        process.start()
-        child.close()
-        sock = socket.socket(fileno=os.dup(parent.fileno()))
-        parent.close()
+        config = self._config_bytes()
+        process, sock = self._fork(slot, config) or self._spawn(slot, config)
         handle.process = process
-        handle.pid = process.pid or 0
+        handle.pid = process.pid
         handle.alive = True
         handle.ready = False
         handle.exit_code = None
@@ -192,6 +234,52 @@ class Supervisor:
         log.info("worker_started", worker=slot, pid=handle.pid)
         self._announce_siblings()
         return handle
+
+    def _fork(self, slot: int, config: bytes) -> tuple[WorkerProcess, socket.socket] | None:
+        """A worker forked by the template, and the coordinator's end of its pipe; None without a template."""
+        template = self.template
+        if template is None:
+            return None
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            return template.start_worker(slot, config, theirs), ours
+        except TemplateLost as exc:
+            ours.close()
+            self._lose_template(str(exc))
+        except StartRefused as exc:
+            ours.close()
+            log.warning("worker_fork_failed", worker=slot, reason=str(exc))
+        finally:
+            theirs.close()
+        return None
+
+    def _spawn(self, slot: int, config: bytes) -> tuple[WorkerProcess, socket.socket]:
+        parent, child = self._context.Pipe(duplex=True)
+        process = self._context.Process(
+            target=worker_entry,
+            args=(slot, config, child),
+            name=f"replicator-worker-{slot}",
+        )
+        process.start()
+        child.close()
+        sock = socket.socket(fileno=os.dup(parent.fileno()))
+        parent.close()
+        return SpawnedWorker(process), sock
+
+    def _template_exited(self) -> None:
+        self._lose_template("exited")
+
+    def _lose_template(self, reason: str) -> None:
+        """The template is gone (or wedged, then killed): workers are spawned from now on. A new template would
+        have to be forked from this process, whose threads and loop make a fork unsafe."""
+        template = self.template
+        if template is None:
+            return
+        self.template = None
+        self._loop.remove_reader(template.sentinel)
+        code = template.reap()
+        level = "info" if self.stopping else "warning"
+        log.emit(level, "worker_template_lost", {"pid": template.pid, "code": code, "reason": reason})
 
     def _announce_siblings(self) -> None:
         """Tell every worker, and the coordinator's doorbell, which worker processes run now (shared.notify)."""
@@ -209,7 +297,9 @@ class Supervisor:
                 message = await messages.read_to_coordinator(reader)
                 self._note(handle, message)
                 self._on_message(handle.slot, message)
-        except messages.PipeClosed:
+        except (messages.PipeClosed, ConnectionError):
+            # ConnectionError: a write to a worker that was exiting (a Siblings announcement when another worker
+            # exits) broke the pipe, and its reader hears of it: the pipe ended all the same.
             pass
         except messages.PipeProtocolError as exc:
             log.error("pipe_protocol_error", worker=handle.slot, error=str(exc))
@@ -259,8 +349,7 @@ class Supervisor:
         process = handle.process
         assert process is not None
         self._loop.remove_reader(process.sentinel)
-        process.join(timeout=1.0)
-        code = process.exitcode
+        code = process.reap()
         process.close()
         handle.process = None
         handle.alive = False
@@ -349,3 +438,7 @@ class Supervisor:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.template is not None:
+            # The template itself is its owner's to close (the command line's); the supervisor stops watching it.
+            self._loop.remove_reader(self.template.sentinel)
+            self.template = None

@@ -5,8 +5,9 @@ counts the interpreter's and the libraries' shared pages once per process. PSS c
 sharers in equal parts: the PSS of all processes of a node adds up to what the node takes from the machine.
 Linux gives it in `/proc/PID/smaps_rollup` (4.14 and later).
 
-A node's processes are its coordinator, its workers and the helpers the coordinator started besides them
-(multiprocessing's resource tracker): `helpers` finds those, so that the node's total counts them too.
+A node's processes are its coordinator, its workers and the helpers the coordinator started besides them (the
+worker template that forks the workers, multiprocessing's resource tracker when workers are spawned): `helpers`
+finds those, so that the node's total counts them too.
 
 `Trimmer` gives back, on a timer, memory a process holds without using it: what its connections to idle databases
 keep (`Store.trim`), then the free pages inside the C allocator's heaps (`release_free_memory`).

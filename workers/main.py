@@ -1,9 +1,10 @@
 """A worker process: owns the TLS sessions, the inbound server and its own connections to the store.
 
-The coordinator starts it with the spawn context and talks to it over one duplex pipe. Before the worker is ready,
-commands wait in the admission gate (the latest per pair); after, they run inline. A heartbeat from inside the loop
-every second proves the loop runs. A worker that cannot boot (store, certificates, port) exits with
-EXIT_BOOT_ERROR so the supervisor stops respawning it.
+The coordinator forks it from its worker template (coordinator.template), or starts it with the spawn context when
+there is no template, and talks to it over one duplex pipe. Before the worker is ready, commands wait in the
+admission gate (the latest per pair); after, they run inline. A heartbeat from inside the loop every second proves
+the loop runs. A worker that cannot boot (store, certificates, port) exits with EXIT_BOOT_ERROR so the supervisor
+stops respawning it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import contextlib
 import ctypes
 import os
 import random
+import select
 import signal
 import socket
 import sys
@@ -45,6 +47,8 @@ EXIT_BOOT_ERROR = 3
 HEARTBEAT_INTERVAL = 1.0
 REVOCATION_CHECK = 0.5
 IDLE_PROGRESS_INTERVAL = 5.0
+# The template's intermediate process exits right after forking the worker; longer means it is stuck.
+ADOPTION_TIMEOUT = 5.0
 
 
 class BootError(Exception):
@@ -54,32 +58,60 @@ class BootError(Exception):
 def worker_entry(worker_id: int, config_bytes: bytes, conn: Connection) -> None:
     """Process target (spawn context)."""
     _die_with_parent()
+    fd = os.dup(conn.fileno())
+    conn.close()
+    sys.exit(run_worker(worker_id, config_bytes, fd))
+
+
+def forked_worker_entry(worker_id: int, config_bytes: bytes, pipe_fd: int, coordinator: int) -> int:
+    """Entry of a worker forked by the coordinator's template (coordinator.template); the exit code."""
+    _die_with_parent(coordinator)
+    return run_worker(worker_id, config_bytes, pipe_fd)
+
+
+def run_worker(worker_id: int, config_bytes: bytes, pipe_fd: int) -> int:
+    """The worker, from its config and its end of the pipe (owned from here on) to its exit code."""
     # Ctrl-C in a terminal reaches the whole process group; the coordinator drains the workers itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = config_module.decode(config_bytes)
     log.configure_from(config.log, node=config.node.name, proc="worker", worker=worker_id)
     bridge_logging(log)
     limit_read_buffers()
-    fd = os.dup(conn.fileno())
-    conn.close()
-    worker = Worker(worker_id, config, fd)
+    worker = Worker(worker_id, config, pipe_fd)
     try:
         import uvloop  # type: ignore[import-not-found]
     except ImportError:
-        sys.exit(asyncio.run(worker.run()))
-    sys.exit(uvloop.run(worker.run()))
+        return asyncio.run(worker.run())
+    return int(uvloop.run(worker.run()))
 
 
-def _die_with_parent() -> None:
-    """Ask the kernel to kill this worker when the coordinator dies, even by SIGKILL."""
-    parent = os.getppid()
+def _die_with_parent(coordinator: int | None = None) -> None:
+    """Ask the kernel to kill this worker when the coordinator dies, even by SIGKILL.
+
+    The death signal fires when the parent changes, so a worker forked by the template, whose parent is first the
+    template's short-lived intermediate process, asks for it only once the coordinator (a child subreaper) has
+    adopted it: when the intermediate has exited. `coordinator` is None for a worker the coordinator spawned."""
+    if coordinator is not None:
+        intermediate = os.getppid()
+        if intermediate != coordinator:
+            try:
+                pidfd = os.pidfd_open(intermediate)
+            except ProcessLookupError:
+                pass  # exited and reaped already: the worker was adopted before
+            else:
+                try:
+                    if os.getppid() == intermediate:  # then the pidfd is the intermediate's, not a reused pid's
+                        select.select([pidfd], [], [], ADOPTION_TIMEOUT)  # readable once it has exited
+                finally:
+                    os.close(pidfd)
+    parent = os.getppid() if coordinator is None else coordinator
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
     if os.getppid() != parent:
-        os._exit(1)
+        os._exit(1)  # the coordinator is gone already (or never adopted this worker)
 
 
 class Worker:
