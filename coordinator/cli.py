@@ -436,7 +436,12 @@ def main(argv: list[str] | None = None) -> int:
         case "clone":
             from replicator.coordinator.clone import cmd_clone
 
-            return _asyncio_run(cmd_clone(args.leader, args.config, no_run=args.no_run))
+            template = _start_template()
+            try:
+                return _asyncio_run(cmd_clone(args.leader, args.config, no_run=args.no_run, template=template))
+            finally:
+                if template is not None:
+                    template.close()
         case "completion":
             import shtab
 
@@ -460,6 +465,16 @@ def _run(args: argparse.Namespace) -> int:
         config.log.format = args.log_format
     log.configure_from(config.log, node=config.node.name, proc="coordinator")
     bridge_logging(log)
+    template = _start_template()
+    try:
+        return _asyncio_run(_serve(config, args.workers, args.check_integrity, template))
+    finally:
+        if template is not None:
+            template.close()
+
+
+def _start_template() -> WorkerTemplate | None:
+    """Fork the worker template (coordinator.template) for a command that runs a node; before any event loop."""
     # Imported now, before the event loop and its threads exist, what a worker runs is in the worker template forked
     # below, which shares it with every worker it forks: the node (its supervisor imports the worker), and the
     # certificate backend, which each process would otherwise load on its first certificate.
@@ -468,12 +483,7 @@ def _run(args: argparse.Namespace) -> int:
     from replicator.coordinator.node import Node  # noqa: F401
     from replicator.coordinator.template import start_template
 
-    template = start_template()
-    try:
-        return _asyncio_run(_serve(config, args.workers, args.check_integrity, template))
-    finally:
-        if template is not None:
-            template.close()
+    return start_template()
 
 
 async def _serve(

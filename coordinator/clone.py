@@ -64,6 +64,7 @@ from replicator.shared.tls import (
 
 if TYPE_CHECKING:
     from replicator.coordinator.node import Node
+    from replicator.coordinator.template import WorkerTemplate
 
 T = TypeVar("T")
 
@@ -572,9 +573,12 @@ async def copy(
 # -- the command -----------------------------------------------------------------------------------------------------
 
 
-async def cmd_clone(leader_url: str, config_path: str, *, no_run: bool = False) -> int:
+async def cmd_clone(
+    leader_url: str, config_path: str, *, no_run: bool = False, template: WorkerTemplate | None = None
+) -> int:
+    """`template`: the worker template the node forks its workers from (coordinator.template); None: spawned."""
     try:
-        return await _clone(leader_url, config_path, no_run)
+        return await _clone(leader_url, config_path, no_run, template)
     except CloneError as exc:
         print(f"replicator clone: {exc}", file=sys.stderr)
         return exc.code
@@ -584,7 +588,7 @@ def _say(line: str) -> None:
     print(line, flush=True)
 
 
-async def _clone(leader_url: str, config_path: str, no_run: bool) -> int:
+async def _clone(leader_url: str, config_path: str, no_run: bool, template: WorkerTemplate | None) -> int:
     url = check_leader_url(leader_url)
     try:
         config = load(config_path)
@@ -630,7 +634,7 @@ async def _clone(leader_url: str, config_path: str, no_run: bool) -> int:
     if target.run_route:
         _say(_route_hint(config, target.route))
     _say(f"clone: copying {len(target.databases)} databases into {directory}: {', '.join(target.databases)}")
-    return await _run_node(config, target, no_run)
+    return await _run_node(config, target, no_run, template)
 
 
 def _note_existing_row(config: Config, info: LeaderInfo) -> None:
@@ -662,12 +666,17 @@ def _route_hint(config: Config, route: PeerSection) -> str:
     )
 
 
-async def _run_node(config: Config, target: Plan, no_run: bool) -> int:
+async def _run_node(config: Config, target: Plan, no_run: bool, template: WorkerTemplate | None) -> int:
     from replicator.coordinator.node import Node
 
     log.configure_from(config.log, node=config.node.name, proc="coordinator")
     bridge_logging(log)
-    node = Node(config, loop=asyncio.get_running_loop(), routes=[target.route] if target.run_route else [])
+    node = Node(
+        config,
+        loop=asyncio.get_running_loop(),
+        routes=[target.route] if target.run_route else [],
+        worker_template=template,
+    )
     run = asyncio.get_running_loop().create_task(node.run(), name="node")
     try:
         code = await copy(node, run, target, say=_say)

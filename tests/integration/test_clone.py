@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 
 from replicator.coordinator.local_cluster import LocalCluster, free_ports
@@ -145,6 +146,9 @@ async def test_without_no_run_the_clone_keeps_replicating_and_drains_on_sigterm(
         clone = start_clone(cluster["a"].admin_url, c.config_path, output, c.dir / "clone.err")
         await wait_for(lambda: "runs on as a normal node" in output.read_text(), 120, "the clone to finish its copy")
         assert clone.poll() is None
+        # Its workers were forked from a worker template, as `replicator run`'s are (coordinator.template).
+        children = psutil.Process(clone.pid).children()
+        assert sorted(child.name() == "replicator-tmpl" for child in children) == [False, False, True]
         # A normal node: what the cluster writes next reaches it.
         await write_many(cluster, "a", "live", "t", [f"n{i}" for i in range(20)], {"v": 2})
         await cluster.wait_converged("live", ["a", "b", "c"], timeout=60, expect_count=220)
