@@ -6,6 +6,10 @@ replaced worker leaves files behind and the series count grows with restarts unl
 forced into it, and its gauges need a merge mode per metric. Here a replaced worker only stops sending increments:
 counters never go backwards, and series are bounded by the label values (peers, databases, worker slots) that
 exist. Histograms observed in a worker travel the same way, as counts per fixed bucket (`shared.histograms`).
+Both are kept here as plain numbers by label values and rendered at scrape time (`_FedCounters`, `_FedHistograms`),
+not as prometheus-client children: a child costs about 600 bytes, and a node holds several per (peer, database)
+pair. The series a wanted pair or a held database shows at 0 before its first event are made at each scrape from
+the node's state and kept by nothing, so an idle database costs the coordinator no metrics memory at all.
 Gauges describing the current state (connected, lag, pending, rss) are computed at scrape time from the
 coordinator's own state, so a pair that is gone has no series left; so are the worker processes' CPU, open files
 and memory (psutil, by the pids the supervisor knows) and the certificates' expiry (read from their files). The
@@ -19,13 +23,13 @@ import itertools
 import math
 import os
 import platform
-from collections.abc import Iterator, Mapping
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 import psutil
 from prometheus_client import (
     CollectorRegistry,
-    Counter,
     Histogram,
     PlatformCollector,
     ProcessCollector,
@@ -73,6 +77,91 @@ ANTIENTROPY_COUNTERS = (
     "replicator_antientropy_records_repaired_total",
 )
 
+# Counters fed by the workers' increments: name -> (help, label names).
+FED_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "replicator_reconnect_attempts_total": ("Outbound reconnects scheduled", ("peer",)),
+    "replicator_redials_deferred_total": (
+        "Outbound redials that waited for the peer's redial budget (replication.redial_rate)",
+        ("peer",),
+    ),
+    "replicator_records_applied_total": ("Records from peers that won and were applied", ("database", "peer")),
+    "replicator_records_received_total": (
+        "Records received from peers in applied batches, won or not (a record received twice counts twice)",
+        ("database", "peer"),
+    ),
+    "replicator_commit_retries_total": (
+        "Batches from peers whose commit failed (a busy or full disk) and was tried again",
+        ("database",),
+    ),
+    "replicator_commits_caught_by_poll_total": (
+        "Commits that reached the waiting senders through the slow safety poll, not a notification"
+        " (a lost doorbell, or a write made from outside the node)",
+        (),
+    ),
+    "replicator_records_sent_total": ("Records sent to subscribers", ("database", "peer")),
+    "replicator_records_written_total": ("Records written locally through the data API", ("database",)),
+    "replicator_clock_skew_refusals_total": (
+        "Sessions refused because the peer's clock or versions ran ahead by more than max_clock_skew",
+        ("peer",),
+    ),
+    "replicator_checksum_failures_total": (
+        "Stored records found damaged (failed their checksum), each counted once when it was found",
+        ("database",),
+    ),
+    "replicator_blobs_missing_total": (
+        "Records applied without their blob because the peer that sent them did not have it (repair-blobs)",
+        ("database",),
+    ),
+    "replicator_log_events_suppressed_total": ("Repeated identical warnings not written to the log", ("event",)),
+    "replicator_registry_rows_refused_total": (
+        "Registry rows a peer sent that were not signed by the node allowed to write them (not applied)",
+        ("peer",),
+    ),
+    "replicator_foreign_origin_refusals_total": (
+        "Records a peer held or sent under this node's origin at versions it never wrote",
+        ("peer", "database"),
+    ),
+    "replicator_connections_refused_total": (
+        "New node-port connections closed before TLS because a worker held its cap (listen.<limit>)",
+        ("limit",),
+    ),
+    "replicator_bytes_sent_total": (
+        "Bytes of replication frames sent to the peer, both ways of its sessions (WebSocket payloads)",
+        ("peer",),
+    ),
+    "replicator_bytes_received_total": (
+        "Bytes of replication frames received from the peer, both ways of its sessions (WebSocket payloads)",
+        ("peer",),
+    ),
+}
+# Counters fed by the coordinator's anti-entropy schedules (coordinator.antientropy), not by the workers.
+ROUND_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "replicator_antientropy_rounds_total": (
+        "Anti-entropy rounds that ran to the end without an error",
+        ("peer", "database"),
+    ),
+    "replicator_antientropy_failures_total": (
+        "Anti-entropy rounds that ended with an error or did not answer in time",
+        ("peer", "database"),
+    ),
+    "replicator_antientropy_records_repaired_total": (
+        "Records anti-entropy changed on this node: pulled from the peer, or damaged ones removed",
+        ("peer", "database"),
+    ),
+}
+# The series each wanted peer, each wanted (peer, database) pair and each held database shows from the start, at 0,
+# so that rate() works before the first event.
+PEER_COUNTERS = (
+    "replicator_reconnect_attempts_total",
+    "replicator_redials_deferred_total",
+    "replicator_bytes_sent_total",
+    "replicator_bytes_received_total",
+)
+PAIR_COUNTERS = ("replicator_records_applied_total", "replicator_records_sent_total")  # labels (database, peer)
+DATABASE_COUNTERS = ("replicator_checksum_failures_total", "replicator_blobs_missing_total")
+
+Series = dict[str, set[tuple[str, ...]]]  # metric name -> label values of the series shown at 0 when not counted yet
+
 # Histograms fed by the workers: name -> (help, label names); their buckets are shared.histograms.BUCKETS[name].
 FED_HISTOGRAMS: dict[str, tuple[str, tuple[str, ...]]] = {
     BATCH_APPLY_SECONDS: (
@@ -104,112 +193,9 @@ class Metrics:
         # without names they are still asked when a scrape selects families with `?name[]=`.
         self.registry = CollectorRegistry(auto_describe=True, support_collectors_without_names=True)
         registry = self.registry
-        # Fed by the workers' increments.
-        self._fed: dict[str, Counter] = {
-            "replicator_reconnect_attempts_total": Counter(
-                "replicator_reconnect_attempts_total",
-                "Outbound reconnects scheduled",
-                ["peer"],
-                registry=registry,
-            ),
-            "replicator_redials_deferred_total": Counter(
-                "replicator_redials_deferred_total",
-                "Outbound redials that waited for the peer's redial budget (replication.redial_rate)",
-                ["peer"],
-                registry=registry,
-            ),
-            "replicator_records_applied_total": Counter(
-                "replicator_records_applied_total",
-                "Records from peers that won and were applied",
-                ["database", "peer"],
-                registry=registry,
-            ),
-            "replicator_records_received_total": Counter(
-                "replicator_records_received_total",
-                "Records received from peers in applied batches, won or not (a record received twice counts twice)",
-                ["database", "peer"],
-                registry=registry,
-            ),
-            "replicator_commit_retries_total": Counter(
-                "replicator_commit_retries_total",
-                "Batches from peers whose commit failed (a busy or full disk) and was tried again",
-                ["database"],
-                registry=registry,
-            ),
-            "replicator_commits_caught_by_poll_total": Counter(
-                "replicator_commits_caught_by_poll_total",
-                "Commits that reached the waiting senders through the slow safety poll, not a notification"
-                " (a lost doorbell, or a write made from outside the node)",
-                registry=registry,
-            ),
-            "replicator_records_sent_total": Counter(
-                "replicator_records_sent_total",
-                "Records sent to subscribers",
-                ["database", "peer"],
-                registry=registry,
-            ),
-            "replicator_records_written_total": Counter(
-                "replicator_records_written_total",
-                "Records written locally through the data API",
-                ["database"],
-                registry=registry,
-            ),
-            "replicator_clock_skew_refusals_total": Counter(
-                "replicator_clock_skew_refusals_total",
-                "Sessions refused because the peer's clock or versions ran ahead by more than max_clock_skew",
-                ["peer"],
-                registry=registry,
-            ),
-            "replicator_checksum_failures_total": Counter(
-                "replicator_checksum_failures_total",
-                "Stored records found damaged (failed their checksum), each counted once when it was found",
-                ["database"],
-                registry=registry,
-            ),
-            "replicator_blobs_missing_total": Counter(
-                "replicator_blobs_missing_total",
-                "Records applied without their blob because the peer that sent them did not have it (repair-blobs)",
-                ["database"],
-                registry=registry,
-            ),
-            "replicator_log_events_suppressed_total": Counter(
-                "replicator_log_events_suppressed_total",
-                "Repeated identical warnings not written to the log",
-                ["event"],
-                registry=registry,
-            ),
-            "replicator_registry_rows_refused_total": Counter(
-                "replicator_registry_rows_refused_total",
-                "Registry rows a peer sent that were not signed by the node allowed to write them (not applied)",
-                ["peer"],
-                registry=registry,
-            ),
-            "replicator_foreign_origin_refusals_total": Counter(
-                "replicator_foreign_origin_refusals_total",
-                "Records a peer held or sent under this node's origin at versions it never wrote",
-                ["peer", "database"],
-                registry=registry,
-            ),
-            "replicator_connections_refused_total": Counter(
-                "replicator_connections_refused_total",
-                "New node-port connections closed before TLS because a worker held its cap (listen.<limit>)",
-                ["limit"],
-                registry=registry,
-            ),
-            "replicator_bytes_sent_total": Counter(
-                "replicator_bytes_sent_total",
-                "Bytes of replication frames sent to the peer, both ways of its sessions (WebSocket payloads)",
-                ["peer"],
-                registry=registry,
-            ),
-            "replicator_bytes_received_total": Counter(
-                "replicator_bytes_received_total",
-                "Bytes of replication frames received from the peer, both ways of its sessions (WebSocket payloads)",
-                ["peer"],
-                registry=registry,
-            ),
-        }
-        self._histograms = _FedHistograms()
+        self._counters = _FedCounters({**FED_COUNTERS, **ROUND_COUNTERS}, self._zero_counters)
+        registry.register(self._counters)
+        self._histograms = _FedHistograms(self._zero_histograms)
         registry.register(self._histograms)
         self._setup_connected = Histogram(
             "replicator_setup_to_connected_seconds",
@@ -218,32 +204,11 @@ class Metrics:
             buckets=SETUP_BUCKETS,
             registry=registry,
         )
-        # Fed by the coordinator's anti-entropy schedules (coordinator.antientropy).
-        self._rounds: dict[str, Counter] = {
-            "replicator_antientropy_rounds_total": Counter(
-                "replicator_antientropy_rounds_total",
-                "Anti-entropy rounds that ran to the end without an error",
-                ["peer", "database"],
-                registry=registry,
-            ),
-            "replicator_antientropy_failures_total": Counter(
-                "replicator_antientropy_failures_total",
-                "Anti-entropy rounds that ended with an error or did not answer in time",
-                ["peer", "database"],
-                registry=registry,
-            ),
-            "replicator_antientropy_records_repaired_total": Counter(
-                "replicator_antientropy_records_repaired_total",
-                "Records anti-entropy changed on this node: pulled from the peer, or damaged ones removed",
-                ["peer", "database"],
-                registry=registry,
-            ),
-        }
         self._unknown_reported: set[str] = set()
         for event in SAMPLED_EVENTS:
-            self._fed["replicator_log_events_suppressed_total"].labels(event)
+            self._counters.keep("replicator_log_events_suppressed_total", (event,))
         for limit in CONNECTION_LIMITS:
-            self._fed["replicator_connections_refused_total"].labels(limit)
+            self._counters.keep("replicator_connections_refused_total", (limit,))
         registry.register(_StateCollector(node))
         # The coordinator's own process: process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds...
         ProcessCollector(registry=registry)
@@ -252,28 +217,27 @@ class Metrics:
         log.on_suppressed = lambda event, n: self.suppressed(event, n)
 
     def suppressed(self, event: str, count: int) -> None:
-        self._fed["replicator_log_events_suppressed_total"].labels(event).inc(count)
+        self._counters.inc("replicator_log_events_suppressed_total", (event,), count)
 
     def antientropy_round(self, peer: str, database: str, *, repaired: int, failed: bool) -> None:
         name = "replicator_antientropy_failures_total" if failed else "replicator_antientropy_rounds_total"
-        self._rounds[name].labels(peer, database).inc()
+        self._counters.inc(name, (peer, database), 1.0)
         if repaired > 0:
-            self._rounds["replicator_antientropy_records_repaired_total"].labels(peer, database).inc(repaired)
+            self._counters.inc("replicator_antientropy_records_repaired_total", (peer, database), repaired)
 
     def checksum_failures(self, database: str, count: int) -> None:
         if count > 0:
-            self._fed["replicator_checksum_failures_total"].labels(database).inc(count)
+            self._counters.inc("replicator_checksum_failures_total", (database,), count)
 
     def apply(self, deltas: list[CounterDelta]) -> None:
         for delta in deltas:
-            counter = self._fed.get(delta.name)
-            if counter is None:
+            if delta.name not in FED_COUNTERS or not self._counters.fits(delta.name, delta.labels):
                 if delta.name not in self._unknown_reported:
                     self._unknown_reported.add(delta.name)
-                    log.warning("metric_unknown", name=delta.name)
+                    log.warning("metric_unknown", name=delta.name, labels=len(delta.labels))
                 continue
             if delta.value > 0:
-                (counter.labels(*delta.labels) if delta.labels else counter).inc(delta.value)
+                self._counters.inc(delta.name, tuple(delta.labels), delta.value)
 
     def apply_histograms(self, deltas: list[HistogramDelta]) -> None:
         for delta in deltas:
@@ -285,23 +249,31 @@ class Metrics:
         self._setup_connected.labels(peer).observe(max(0.0, seconds))
 
     def prepare(self) -> None:
-        """Create the series a scrape should show at 0 before their first event; call it before each scrape."""
-        # Every wanted pair has its counters from the start, at 0, so rate() works before the first record.
+        """Create the series a scrape should show at 0 before their first event; call it before each scrape.
+
+        Only the setup histogram's, one per wanted peer, are made here: the counters' and the apply histogram's are
+        made by the scrape itself (`_zero_counters`, `_zero_histograms`)."""
         for entry in self._node.map:
-            self._fed["replicator_reconnect_attempts_total"].labels(entry.peer)
-            self._fed["replicator_redials_deferred_total"].labels(entry.peer)
-            self._fed["replicator_bytes_sent_total"].labels(entry.peer)
-            self._fed["replicator_bytes_received_total"].labels(entry.peer)
             self._setup_connected.labels(entry.peer)
+
+    def _zero_counters(self) -> Series:
+        """Every wanted pair has its counters from the start, at 0, so rate() works before the first record; and
+        every held database its failure counters."""
+        shown: Series = {name: set() for name in (*PEER_COUNTERS, *PAIR_COUNTERS, *ANTIENTROPY_COUNTERS)}
+        for entry in self._node.map:
+            for name in PEER_COUNTERS:
+                shown[name].add((entry.peer,))
             for database in entry.pairs:
-                self._fed["replicator_records_applied_total"].labels(database, entry.peer)
-                self._fed["replicator_records_sent_total"].labels(database, entry.peer)
+                for name in PAIR_COUNTERS:
+                    shown[name].add((database, entry.peer))
                 for name in ANTIENTROPY_COUNTERS:
-                    self._rounds[name].labels(entry.peer, database)
-        for database in self._node.holds:
-            self._fed["replicator_checksum_failures_total"].labels(database)
-            self._fed["replicator_blobs_missing_total"].labels(database)
-            self._histograms.touch(BATCH_APPLY_SECONDS, (database,))
+                    shown[name].add((entry.peer, database))
+        held = {(database,) for database in self._node.holds}
+        shown.update((name, held) for name in DATABASE_COUNTERS)
+        return shown
+
+    def _zero_histograms(self) -> Series:
+        return {BATCH_APPLY_SECONDS: {(database,) for database in self._node.holds}}
 
     def render(self) -> bytes:
         """The Prometheus text format (the admin server negotiates the format itself, with `registry`)."""
@@ -309,11 +281,60 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+class _FedCounters(Collector):
+    """Counters kept as a number per label values and rendered at each scrape. A replaced worker only stops sending
+    increments, so no counter goes backwards; a series, once counted, stays. `zeros` names the series to show at 0
+    while they have not been counted (the node's wanted pairs, its databases): those are made for the scrape and
+    kept by nothing."""
+
+    def __init__(self, specs: Mapping[str, tuple[str, tuple[str, ...]]], zeros: Callable[[], Series]) -> None:
+        self._specs = dict(specs)
+        self._zeros = zeros
+        self._lock = threading.Lock()  # a sampled warning logged from a thread counts its suppressed lines
+        # name -> label values -> value; a metric without labels has its one series from the start
+        self._values: dict[str, dict[tuple[str, ...], float]] = {
+            name: ({(): 0.0} if not labelnames else {}) for name, (_, labelnames) in self._specs.items()
+        }
+
+    def fits(self, name: str, labels: Iterable[str]) -> bool:
+        spec = self._specs.get(name)
+        return spec is not None and len(tuple(labels)) == len(spec[1])
+
+    def inc(self, name: str, labels: tuple[str, ...], value: float) -> None:
+        series = self._series(name, labels)
+        with self._lock:
+            series[labels] = series.get(labels, 0.0) + value
+
+    def keep(self, name: str, labels: tuple[str, ...]) -> None:
+        """Show this series from now on, at 0 until it is counted."""
+        self._series(name, labels).setdefault(labels, 0.0)
+
+    def _series(self, name: str, labels: tuple[str, ...]) -> dict[tuple[str, ...], float]:
+        if not self.fits(name, labels):
+            raise ValueError(f"no counter {name} with {len(labels)} labels")
+        return self._values[name]
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        zeros = self._zeros()
+        for name, (documentation, labelnames) in self._specs.items():
+            family = CounterMetricFamily(name, documentation, labels=labelnames)
+            with self._lock:
+                shown = {**dict.fromkeys(zeros.get(name, ()), 0.0), **self._values[name]}
+            for labels, value in sorted(shown.items()):
+                family.add_metric(list(labels), value)
+            yield family
+
+
 class _FedHistograms(Collector):
     """The histograms workers observe, kept here as cumulative counts per bucket, like the fed counters: a replaced
-    worker only stops sending, so no bucket goes backwards, and the series are bounded by the label values."""
+    worker only stops sending, so no bucket goes backwards, and the series are bounded by the label values. `zeros`
+    names the series to show empty while nothing was observed in them (kept by nothing, like the counters')."""
 
-    def __init__(self) -> None:
+    def __init__(self, zeros: Callable[[], Series] | None = None) -> None:
+        self._zeros = zeros
         # name -> label values -> (count per bucket, +Inf last, not cumulative; sum)
         self._series: dict[str, dict[tuple[str, ...], tuple[list[float], list[float]]]] = {
             name: {} for name in FED_HISTOGRAMS
@@ -346,10 +367,14 @@ class _FedHistograms(Collector):
         return iter(())
 
     def collect(self) -> Iterator[Metric]:
+        zeros = self._zeros() if self._zeros is not None else {}
         for name, (documentation, labelnames) in FED_HISTOGRAMS.items():
             family = HistogramMetricFamily(name, documentation, labels=labelnames)
             bounds = [*BUCKETS[name], math.inf]
-            for labels, (counts, total) in sorted(self._series[name].items()):
+            empty = ([0.0] * len(bounds), [0.0])
+            observed = self._series[name]
+            shown = {**dict.fromkeys(zeros.get(name, ()), empty), **observed}
+            for labels, (counts, total) in sorted(shown.items()):
                 cumulative = itertools.accumulate(counts)
                 buckets = [(floatToGoString(bound), value) for bound, value in zip(bounds, cumulative, strict=True)]
                 family.add_metric(list(labels), buckets, total[0])

@@ -19,7 +19,8 @@ import os
 import re
 import ssl
 import tempfile
-from asyncio import sslproto
+import threading
+from asyncio import selector_events, sslproto
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,10 @@ CERT_MODE = 0o644
 DIR_MODE = 0o700
 # What a TLS connection reads at a time (`limit_read_buffers`).
 READ_BUFFER_BYTES = 32 * 1024
+# TLS 1.3 session tickets a server sends after each handshake. None of our clients resumes a session (aiohttp never
+# passes one), and a client that receives tickets keeps about 17 KB per connection for them (OpenSSL's handshake
+# buffer and the new sessions), so the node sends none.
+SESSION_TICKETS = 0
 # Backdating notBefore lets a peer whose clock runs a little behind accept a certificate issued a moment ago.
 _CLOCK_SKEW = dt.timedelta(minutes=5)
 # DNS labels; '_' is tolerated because node names may contain it and the name goes into the SAN.
@@ -192,6 +197,7 @@ def server_context(ca: PathLike, cert: PathLike, key: PathLike | None) -> ssl.SS
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     _load_into(context, ca, ca_pem, cert, key)
     context.verify_mode = ssl.CERT_OPTIONAL
+    context.num_tickets = SESSION_TICKETS
     return context
 
 
@@ -208,14 +214,53 @@ def client_context(ca: PathLike, cert: PathLike | None = None, key: PathLike | N
 
 
 def limit_read_buffers(size: int = READ_BUFFER_BYTES) -> None:
-    """Make every TLS connection this process opens or accepts from now on read through a buffer of `size` bytes.
+    """Make every TLS connection this process opens or accepts from now on read through a buffer of `size` bytes,
+    one buffer per thread shared by all of them.
 
     asyncio's TLS transport allocates its read buffer (`SSLProtocol.max_size`, 256 KiB) with each connection and
     keeps it, filled with zeros, for the connection's life. A node holds one connection per (peer, database) in each
     direction: that buffer alone was half a megabyte per replicated database (issue 12). Reading 32 KiB at a time
-    (two TLS records) costs nothing measurable at replication rates. uvloop has its own transport and ignores this.
+    (two TLS records) costs nothing measurable at replication rates; a subclass may read more (`max_size`).
+
+    The buffer only ever holds bytes between two calls the loop makes back to back: the socket transport has the
+    kernel write into it (`recv_into`) and hands it straight to `buffer_updated`, which copies it into the TLS
+    object's input before anything else runs. So the connections of one event loop can all read through one buffer
+    (`_share_read_buffer`), and an idle connection holds none. uvloop has its own transport and ignores this.
     """
     sslproto.SSLProtocol.max_size = size
+    init = sslproto.SSLProtocol.__init__
+    if getattr(init, "__wrapped__", None) is None:
+        sslproto.SSLProtocol.__init__ = _sharing_read_buffer(init)  # type: ignore[method-assign]
+
+
+_read_buffers = threading.local()
+
+
+def _sharing_read_buffer(init: Any) -> Any:
+    def __init__(self: sslproto.SSLProtocol, loop: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, loop, *args, **kwargs)
+        _share_read_buffer(self, loop)
+
+    __init__.__wrapped__ = init  # type: ignore[attr-defined]
+    __init__.__doc__ = init.__doc__
+    return __init__
+
+
+def _share_read_buffer(protocol: sslproto.SSLProtocol, loop: Any) -> None:
+    """Give `protocol` its thread's read buffer of its size in place of its own, on a selector loop only: that is
+    the transport whose reads go from `recv_into` to `buffer_updated` without a pause (a proactor loop's overlapped
+    reads keep the buffer while other connections read)."""
+    own = getattr(protocol, "_ssl_buffer", None)
+    if not isinstance(loop, selector_events.BaseSelectorEventLoop) or not isinstance(own, bytearray):
+        return
+    buffers: dict[int, tuple[bytearray, memoryview]] | None = getattr(_read_buffers, "by_size", None)
+    if buffers is None:
+        buffers = _read_buffers.by_size = {}
+    size = len(own)
+    shared = buffers.get(size)
+    if shared is None:
+        shared = buffers[size] = (own, memoryview(own))
+    protocol._ssl_buffer, protocol._ssl_buffer_view = shared  # type: ignore[attr-defined]
 
 
 def ca_certificates(ca: PathLike) -> list[x509.Certificate]:
