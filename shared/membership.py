@@ -125,25 +125,37 @@ class Verified:
 
 @dataclass
 class Verifier:
-    """Checks registry rows against the cluster CA, remembering what it decided for each row version."""
+    """Checks registry rows against the cluster CA, remembering what it decided for the newest version of each row.
+
+    Only the newest version of a row is remembered: a node's row lists its databases, so it gets a new version for
+    each database the node opens, and remembering every version would hold the square of the databases' count in
+    names (tens of MB on a node of a thousand databases). An older version seen again is checked again.
+    """
 
     ca: CA | None  # the cluster CA, or every CA of its bundle
-    _cache: OrderedDict[tuple[str, str, int, str, bytes], Verified | BadRow] = field(default_factory=OrderedDict)
+    # (table, id) -> ((version, origin, value), what was decided), least recently used first
+    _cache: OrderedDict[tuple[str, str], tuple[tuple[int, str, bytes], Verified | BadRow]] = field(
+        default_factory=OrderedDict
+    )
 
     def verify(self, record: _Record) -> Verified:
         """The row and who signed it, or BadRow naming what is wrong."""
-        key = (record.table, record.id, record.version, record.origin, record.value)
-        found = self._cache.get(key)
-        if found is None:
+        slot = (record.table, record.id)
+        stamp = (record.version, record.origin, record.value)
+        cached = self._cache.get(slot)
+        if cached is not None and cached[0] == stamp:
+            found = cached[1]
+            self._cache.move_to_end(slot)
+        else:
             try:
                 found = self._check(record)
             except BadRow as exc:
                 found = exc
-            self._cache[key] = found
-            if len(self._cache) > _CACHE_SIZE:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(key)
+            if cached is None or record.version >= cached[0][0]:
+                self._cache[slot] = (stamp, found)
+                self._cache.move_to_end(slot)
+                if len(self._cache) > _CACHE_SIZE:
+                    self._cache.popitem(last=False)
         if isinstance(found, BadRow):
             raise found
         return found

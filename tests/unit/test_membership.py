@@ -229,3 +229,33 @@ def test_every_ca_of_a_bundle_counts_during_a_rotation(ca: Path, tmp_path: Path)
     assert revocation.verify(signed, bundle) == signed
     with pytest.raises(revocation.BadRevocation, match="not signed by the cluster CA"):
         revocation.verify(signed, bundle[:1])
+
+
+def test_the_verifier_remembers_the_newest_version_of_each_row_only(
+    verifier: Verifier, signers: dict[str, Signer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node's row gets a new version for each database it opens: remembering every version would hold the
+    square of the databases' count in names. The newest is remembered; an older one seen again is checked again."""
+    checked: list[int] = []
+    real = Verifier._check
+
+    def counted(self: Verifier, record: Entry) -> membership.Verified:
+        checked.append(record.version)
+        return real(self, record)
+
+    monkeypatch.setattr(Verifier, "_check", counted)
+    versions = [
+        signed_entry(signers["b"], NODES, _row("b", holds=[f"db{i}" for i in range(n)]), V + n) for n in range(50)
+    ]
+    for entry in versions:
+        verifier.verify(entry)
+    assert len(verifier._cache) == 1
+    assert verifier.verify(versions[-1]).row.holds == [f"db{i}" for i in range(49)]
+    assert checked == [V + n for n in range(50)]  # the newest again: remembered
+    assert verifier.verify(versions[3]).row.holds == ["db0", "db1", "db2"]  # an old one: checked again, still good
+    assert checked[-1] == V + 3
+    # A forged newer version is refused, and the genuine row still verifies.
+    forged = msgspec.structs.replace(versions[-1], version=V + 99)
+    assert "does not match" in _reason(verifier, forged)
+    assert verifier.verify(versions[-1]).signer.name == "b"
+    assert len(verifier._cache) == 1
