@@ -92,3 +92,17 @@ def percentile(values: list[float], q: float) -> float:
     """The q-quantile (0..1) of `values`, nearest rank."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+# What names each helper process a node's coordinator starts, in its process name or its command line: the worker
+# template (which renames itself) or, when workers are spawned, multiprocessing's resource tracker or forkserver.
+HELPER_ROLES = {"replicator-tmpl": "template", "resource_tracker": "resource_tracker", "forkserver": "forkserver"}
+
+
+def helper_role(process: psutil.Process) -> str | None:
+    """The role of a coordinator's child that is not a worker ("other" when unknown); None when it is gone."""
+    try:
+        label = process.name() + " " + " ".join(process.cmdline())
+    except psutil.Error:
+        return None
+    return next((role for marker, role in HELPER_ROLES.items() if marker in label), "other")

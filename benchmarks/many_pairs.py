@@ -197,11 +197,9 @@ def node_processes(node: Any, status: dict[str, Any]) -> dict[str, psutil.Proces
     for child in sorted(root.children(recursive=True), key=lambda p: p.pid):
         role = workers.get(child.pid)
         if role is None:
-            try:
-                command = " ".join(child.cmdline())
-            except psutil.Error:
+            kind = harness.helper_role(child)
+            if kind is None:
                 continue
-            kind = next((k for k in ("resource_tracker", "forkserver") if k in command), "child")
             role = f"{kind}{child.pid}"
         found[role] = child
     return found

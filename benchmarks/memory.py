@@ -56,8 +56,6 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 PFN_MASK = (1 << 55) - 1
 PRESENT = 1 << 63
 TABLE = "t"
-# What names each helper in its command line or its process name (the worker template renames itself), and its role.
-HELPER_ROLES = {"resource_tracker": "resource_tracker", "forkserver": "forkserver", "replicator-tmpl": "template"}
 # Issue 12: the node (coordinator and two workers) at rest, each further idle database, the peak under load.
 TARGET_REST_BYTES = 90 * MIB
 TARGET_PER_DATABASE_BYTES = 0.2 * MIB
@@ -104,11 +102,9 @@ def _processes(node: Any, workers: set[int]) -> dict[int, str]:
         if child.pid in workers:
             roles[child.pid] = "worker"
         else:
-            try:
-                label = child.name() + " " + " ".join(child.cmdline())
-            except psutil.Error:
-                continue
-            roles[child.pid] = next((role for marker, role in HELPER_ROLES.items() if marker in label), "other")
+            role = harness.helper_role(child)
+            if role is not None:
+                roles[child.pid] = role
     return roles
 
 
