@@ -106,6 +106,15 @@ async def test_process_certificate_and_build_series(make_cluster: Any) -> None:
         assert all(h["pss_bytes"] > 0 for h in helpers)
         parts = [coordinator, *helpers, *status["workers"]]
         assert status["pss_total_bytes"] == sum(part["pss_bytes"] for part in parts)
+        # The scrape adds up the same way: the whole node is its coordinator, its workers and the helpers.
+        scraped_helpers = value(samples, "replicator_helpers_pss_bytes") or 0
+        assert scraped_helpers > 0  # the worker template
+        scraped_workers = sum(
+            value(samples, "replicator_worker_pss_bytes", worker=str(w["id"])) or 0 for w in status["workers"]
+        )
+        assert value(samples, "replicator_node_pss_bytes") == (
+            (value(samples, "replicator_coordinator_pss_bytes") or 0) + scraped_workers + scraped_helpers
+        )
 
         node_cert = x509.load_pem_x509_certificate((cluster["a"].dir / "a.pem").read_bytes())
         ca_cert = x509.load_pem_x509_certificate((cluster.dir / "ca" / "ca.pem").read_bytes())

@@ -89,6 +89,8 @@ EXPORTED: dict[str, frozenset[str]] = {
     # Issue 12: what a node really costs (proportional set size).
     "replicator_worker_pss_bytes": frozenset({"worker"}),
     "replicator_coordinator_pss_bytes": frozenset(),
+    "replicator_helpers_pss_bytes": frozenset(),
+    "replicator_node_pss_bytes": frozenset(),
     # Issue 12: commits the senders learned of by the safety poll, not a notification.
     "replicator_commits_caught_by_poll_total": frozenset(),
     # Redials toward a peer held to its node-wide redial budget (replication.redial_rate).
