@@ -44,6 +44,7 @@ import os
 import secrets
 import shutil
 import sqlite3
+import sys
 import threading
 import time
 import weakref
@@ -455,6 +456,9 @@ def _clear_statements(conn: sqlite3.Connection) -> None:
 
 
 _LRU_CACHE = type(functools.lru_cache(maxsize=1)(lambda: None))
+# What holds a database nobody uses, as `sys.getrefcount` counts it in `Store._release_idle`: the Store's dict,
+# and getrefcount's own argument.
+_UNHELD_REFERENCES = 2
 
 
 def _forget_closed_cursors(conn: sqlite3.Connection) -> None:
@@ -541,6 +545,24 @@ class Database:
     def close(self) -> None:
         with self._lock:
             self._conn.close()
+
+    @property
+    def lean(self) -> bool:
+        """Idle: nobody committed to it for a trim round (`trim`)."""
+        return self._lean
+
+    def release(self) -> bool:
+        """Close the connection if the database is lean, not in use and has no damaged records left to count
+        (`Store._release_idle`, which makes sure no one holds this object); True when it closed. Never waits."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if not self._lean or self.checksum_failures or self._conn.in_transaction:
+                return False
+            self._conn.close()
+            return True
+        finally:
+            self._lock.release()
 
     def trim(self) -> bool:
         """Called every few seconds (`Store.trim`): a database nobody committed to since the last call becomes lean,
@@ -1436,16 +1458,44 @@ class Store:
             db.close()
 
     def trim(self) -> int:
-        """Make every open database nobody committed to since the last call lean (`Database.trim`); how many
-        became lean now. Never waits: while another thread opens a database (which may wait for the file's lock),
-        nothing is trimmed."""
+        """Make every open database nobody committed to since the last call lean (`Database.trim`), and close the
+        ones that were lean already and that nothing but this Store holds (`_release_idle`); how many became lean
+        or were closed now. Never waits: while another thread opens a database (which may wait for the file's
+        lock), nothing is trimmed."""
         if not self._lock.acquire(blocking=False):
             return 0
         try:
             databases = list(self._databases.values())
         finally:
             self._lock.release()
-        return sum(db.trim() for db in databases)
+        idle = [db.name for db in databases if db.lean]
+        trimmed = sum(db.trim() for db in databases)
+        del databases
+        return trimmed + self._release_idle(idle)
+
+    def _release_idle(self, names: list[str]) -> int:
+        """Close the databases of `names` (lean before this round) that are still lean and that no object of this
+        process holds but this Store: a process keeps a connection to every database it touched, about 45 KiB
+        each once lean (its schema, pages and WAL index), and the coordinator touches every database for its
+        periodic passes only. The next `database(name)` opens the file again, as after `forget`. One in use, held
+        (a session's, a sender's feed), with damaged records not counted yet, or the system database, stays."""
+        if not self._lock.acquire(blocking=False):
+            return 0
+        closed = 0
+        try:
+            for name in names:
+                if name == SYSTEM or name not in self._databases:
+                    continue
+                # Held by the dict, this name and getrefcount's argument only: no caller has it, and none can get
+                # it without this Store's lock.
+                if sys.getrefcount(self._databases[name]) > _UNHELD_REFERENCES:
+                    continue
+                if self._databases[name].release():
+                    del self._databases[name]
+                    closed += 1
+        finally:
+            self._lock.release()
+        return closed
 
     # -- deleted databases ---------------------------------------------------------------------------------------
 
