@@ -141,16 +141,20 @@ class FakePeer:
         await web.TCPSite(self._runner, "127.0.0.1", self.port, ssl_context=context).start()
 
     async def close(self) -> None:
-        """Make the node stop dialling first (a connection still in its TLS handshake when the server stops would
-        be left to the garbage collector), then close what is open and stop serving."""
+        """Make the nodes stop dialling first (a connection still in its TLS handshake when the server stops would
+        be left to the garbage collector), then close what is open and stop serving. Every node of the cluster may
+        dial mallet once its row reached it, not only a, where it is removed."""
         status, _ = await self.cluster.admin_request("a", "DELETE", "/nodes/mallet")
         if status == 200:
 
             async def undialled() -> bool:
-                _, body = await self.cluster.admin("a", "/status")
-                return all(connection["peer"] != "mallet" for connection in body["connections"])
+                for name in self.cluster.nodes:
+                    _, body = await self.cluster.admin(name, "/status")
+                    if any(connection["peer"] == "mallet" for connection in body["connections"]):
+                        return False
+                return True
 
-            await wait_for(undialled, 30, "a to stop dialling mallet")
+            await wait_for(undialled, 30, "the nodes to stop dialling mallet")
         for ws in list(self._open):
             await ws.close()
         if self._runner is not None:
