@@ -326,13 +326,15 @@ class AdminServer:
 
 def status_document(node: AdminView) -> dict[str, Any]:
     now = node.loop.time()
+    live = {slot: handle.pid for slot, handle in node.supervisor.workers.items() if handle.alive and handle.pid}
+    pss = memory.node_memory(os.getpid(), live)
     workers = [
         {
             "id": slot,
             "pid": handle.pid if handle.alive else None,
             "ready": handle.alive and handle.ready,
             "rss_bytes": handle.rss_bytes if handle.alive else 0,
-            "pss_bytes": (memory.pss_bytes(handle.pid) or 0) if handle.alive and handle.pid else 0,
+            "pss_bytes": pss.workers.get(slot, 0),
             "restarts": handle.restarts,
             "exit_code": handle.exit_code,
             "boot_error": handle.boot_error or None,
@@ -369,19 +371,16 @@ def status_document(node: AdminView) -> dict[str, Any]:
                 }
             )
         connections.append({"peer": entry.peer, "url": entry.url, "worker": entry.worker, "databases": databases})
-    coordinator = {"pid": os.getpid(), "pss_bytes": memory.pss_bytes(os.getpid()) or 0}
+    coordinator = {"pid": os.getpid(), "pss_bytes": pss.coordinator or 0}
     # The other processes the coordinator started (the worker template; multiprocessing's resource tracker when
     # workers are spawned) are the node's too.
-    worker_pids = [handle.pid for handle in node.supervisor.workers.values() if handle.pid]
-    helpers = [
-        {"pid": pid, "pss_bytes": memory.pss_bytes(pid) or 0} for pid in memory.helpers(os.getpid(), worker_pids)
-    ]
+    helpers = [{"pid": pid, "pss_bytes": size} for pid, size in sorted(pss.helpers.items())]
     return {
         "node": node.name,
         # What the node takes from the machine: PSS shares each page among the processes that map it.
         "coordinator": coordinator,
         "helpers": helpers,
-        "pss_total_bytes": sum(p["pss_bytes"] for p in [coordinator, *helpers, *workers]),
+        "pss_total_bytes": pss.total,
         "url": node.config.node.url,
         "ready": node.supervisor.all_ready(),
         "holds": sorted(node.holds),

@@ -424,34 +424,29 @@ class _StateCollector(Collector):
             if handle.alive:
                 rss.add_metric([str(slot)], handle.rss_bytes)
         yield rss
+        live = {slot: handle.pid for slot, handle in node.supervisor.workers.items() if handle.alive and handle.pid}
+        found = memory.node_memory(os.getpid(), live)
         pss = GaugeMetricFamily(
             "replicator_worker_pss_bytes",
             "Proportional set size of each worker: its private pages and its share of the shared ones",
             labels=["worker"],
         )
-        total = 0
-        for slot, handle in sorted(node.supervisor.workers.items()):
-            found = memory.pss_bytes(handle.pid) if handle.alive and handle.pid else None
-            if found is not None:
-                pss.add_metric([str(slot)], found)
-                total += found
+        for slot, size in sorted(found.workers.items()):
+            pss.add_metric([str(slot)], size)
         yield pss
-        own = memory.pss_bytes(os.getpid())
-        if own is not None:
+        if found.coordinator is not None:
+            own = found.coordinator
             yield _gauge("replicator_coordinator_pss_bytes", "Proportional set size of the coordinator", own)
-            total += own
         # The other processes the coordinator started (the worker template), and the node's total, as /status has it.
-        workers = [handle.pid for handle in node.supervisor.workers.values() if handle.pid]
-        helpers = sum(memory.pss_bytes(pid) or 0 for pid in memory.helpers(os.getpid(), workers))
         yield _gauge(
             "replicator_helpers_pss_bytes",
             "Proportional set size of the other processes the coordinator started (the worker template)",
-            helpers,
+            sum(found.helpers.values()),
         )
         yield _gauge(
             "replicator_node_pss_bytes",
             "Proportional set size of the whole node: coordinator, workers and helpers; what it takes from the machine",
-            total + helpers,
+            found.total,
         )
         yield from self._processes.collect(node.supervisor.workers)
         yield _certificate_expiry(node)

@@ -29,7 +29,6 @@ The template dies with the coordinator: a parent-death signal, and the end of it
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import os
 import select
@@ -46,10 +45,8 @@ import msgspec
 from replicator.shared.logs import log
 from replicator.shared.memory import release_free_memory
 from replicator.shared.messages import MAX_PIPE_FRAME
+from replicator.shared.prctl import PR_SET_CHILD_SUBREAPER, PR_SET_NAME, PR_SET_PDEATHSIG, prctl
 
-PR_SET_PDEATHSIG = 1
-PR_SET_NAME = 15
-PR_SET_CHILD_SUBREAPER = 36
 NAME = b"replicator-tmpl"  # /proc/PID/comm: at most 15 bytes
 # A fork of the template takes milliseconds; an answer this late means the template is stopped or wedged.
 START_TIMEOUT = 5.0
@@ -85,14 +82,6 @@ class TemplateLost(Exception):
 
 class StartRefused(Exception):
     """The template is there but could not fork this worker (no memory, process limit)."""
-
-
-def _prctl(option: int, value: int | bytes) -> bool:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return bool(libc.prctl(option, int(value) if isinstance(value, int) else value, 0, 0, 0) == 0)
-    except (OSError, AttributeError):
-        return False
 
 
 def _frame(message: msgspec.Struct) -> bytes:
@@ -223,7 +212,7 @@ def start_template() -> WorkerTemplate | None:
 
     Call it single-threaded, before any event loop, once everything a worker imports is imported."""
     reason = _cannot_fork()
-    if reason is None and not _prctl(PR_SET_CHILD_SUBREAPER, 1):
+    if reason is None and not prctl(PR_SET_CHILD_SUBREAPER, 1):
         reason = "prctl(PR_SET_CHILD_SUBREAPER) failed"
     if reason is not None:
         log.info("worker_template_unavailable", reason=reason)
@@ -293,11 +282,11 @@ def _template_main(control: socket.socket, coordinator: int, comm: bytes) -> int
     # goes, by closing the control socket.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != coordinator:
         return 1  # the coordinator died before the death signal was asked for
     _close_inherited(keep={0, 1, 2, control.fileno()})
-    _prctl(PR_SET_NAME, NAME)
+    prctl(PR_SET_NAME, NAME)
     while True:
         try:
             header, fds, _, _ = socket.recv_fds(control, _HEADER.size, 1)
@@ -360,7 +349,7 @@ def _become_worker(control: socket.socket, request: StartWorker, pipe_fd: int, c
     try:
         control.close()
         _close_inherited(keep={0, 1, 2, pipe_fd})
-        _prctl(PR_SET_NAME, comm)
+        prctl(PR_SET_NAME, comm)
         for sig in (signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)  # as a spawned worker starts (worker_entry sets its own)
         from replicator.workers.main import forked_worker_entry

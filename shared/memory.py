@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -54,6 +55,30 @@ def helpers(pid: int, workers: Iterable[int], proc: Path = Path("/proc")) -> lis
             found.append(child)
             found.extend(helpers(child, workers, proc))
     return sorted(found)
+
+
+@dataclass(frozen=True)
+class NodeMemory:
+    """PSS of every process of a node, read once: `/status` and the metrics give the same figures."""
+
+    coordinator: int | None  # None when the kernel does not tell
+    workers: dict[int, int]  # slot -> bytes, of the workers whose PSS could be read
+    helpers: dict[int, int]  # pid -> bytes, the other processes the coordinator started (the worker template)
+
+    @property
+    def total(self) -> int:
+        """What the node takes from the machine."""
+        return (self.coordinator or 0) + sum(self.workers.values()) + sum(self.helpers.values())
+
+
+def node_memory(coordinator: int, workers: Mapping[int, int]) -> NodeMemory:
+    """The PSS of the coordinator `coordinator`, of its live `workers` (slot -> pid) and of its helpers."""
+    found = {slot: pss_bytes(pid) for slot, pid in workers.items()}
+    return NodeMemory(
+        coordinator=pss_bytes(coordinator),
+        workers={slot: value for slot, value in found.items() if value is not None},
+        helpers={pid: pss_bytes(pid) or 0 for pid in helpers(coordinator, workers.values())},
+    )
 
 
 def children(pid: int, proc: Path = Path("/proc")) -> list[int]:

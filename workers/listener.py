@@ -27,7 +27,6 @@ of their peak, the worker hands it back (`malloc_trim`).
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import enum
 import resource
 import ssl
@@ -39,6 +38,7 @@ from aiohttp import web
 
 from replicator.shared.config import ListenSection
 from replicator.shared.logs import log
+from replicator.shared.memory import release_free_memory
 
 LIMIT_TOTAL = "max_connections"
 LIMIT_PER_CLIENT = "max_connections_per_client"
@@ -299,16 +299,7 @@ class GuardedSite(web.BaseSite):
     def _return_memory(self) -> None:
         self._trim = None
         self._peak = self.limits.open
-        _malloc_trim()
-
-
-def _malloc_trim() -> None:
-    """Hand the heap's free pages back to the OS (glibc; elsewhere nothing happens). It walks the heap: a few ms."""
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim(0)
+        release_free_memory()  # it walks the heap: a few ms
 
 
 def _raise_file_limit(wanted: int) -> None:

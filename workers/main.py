@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import random
 import select
@@ -32,6 +31,7 @@ from replicator.shared.keys import pair_key
 from replicator.shared.logs import bridge_logging, log
 from replicator.shared.memory import Trimmer
 from replicator.shared.notify import Doorbell
+from replicator.shared.prctl import PR_SET_PDEATHSIG, prctl
 from replicator.shared.store import Store
 from replicator.shared.tls import TlsConfigError, client_context, limit_read_buffers, server_context
 from replicator.workers import antientropy, blob_repair, blobs
@@ -105,11 +105,7 @@ def _die_with_parent(coordinator: int | None = None) -> None:
                 finally:
                     os.close(pidfd)
     parent = os.getppid() if coordinator is None else coordinator
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:
         os._exit(1)  # the coordinator is gone already (or never adopted this worker)
 

@@ -13,7 +13,7 @@ import select
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -304,14 +304,22 @@ async def _workers(cluster: LocalCluster, name: str) -> dict[int, int]:
     return {worker["id"]: worker["pid"] for worker in body["workers"] if worker["ready"]}
 
 
-async def test_a_node_forks_its_workers_from_its_template(make_cluster) -> None:  # type: ignore[no-untyped-def]
+@contextlib.asynccontextmanager
+async def _node(make_cluster: Any) -> AsyncIterator[tuple[LocalCluster, Any, int]]:
+    """Node a of two workers, started and ready: the cluster, the node, its coordinator's pid; closed after."""
     cluster = make_cluster(["a"], workers=2)
     a = cluster["a"]
     try:
         cluster.start()
         await cluster.wait_ready()
         assert a.process is not None
-        coordinator = a.process.pid
+        yield cluster, a, a.process.pid
+    finally:
+        await cluster.close()
+
+
+async def test_a_node_forks_its_workers_from_its_template(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    async with _node(make_cluster) as (cluster, a, coordinator):
         tree = _tree(coordinator)
         workers = await _workers(cluster, "a")
         templates = [pid for pid, process in tree.items() if process.name() == "replicator-tmpl"]
@@ -329,18 +337,10 @@ async def test_a_node_forks_its_workers_from_its_template(make_cluster) -> None:
         assert all(_gone(pid) for pid in tree)
         assert [event["pid"] for event in a.events("worker_template_started")] == templates
         assert a.events("worker_template_lost") == []
-    finally:
-        await cluster.close()
 
 
 async def test_a_node_reads_forked_workers_exits_and_spawns_once_its_template_is_lost(make_cluster) -> None:  # type: ignore[no-untyped-def]
-    cluster = make_cluster(["a"], workers=2)
-    a = cluster["a"]
-    try:
-        cluster.start()
-        await cluster.wait_ready()
-        assert a.process is not None
-        coordinator = a.process.pid
+    async with _node(make_cluster) as (cluster, a, coordinator):
         first = await _workers(cluster, "a")
         os.kill(first[0], signal.SIGTERM)  # a worker drains and exits 0 on SIGTERM
         os.kill(first[1], signal.SIGKILL)
@@ -366,8 +366,6 @@ async def test_a_node_reads_forked_workers_exits_and_spawns_once_its_template_is
         )
         assert psutil.Process(third).ppid() == coordinator and _spawned(psutil.Process(third))
         assert a.stop() == 0
-    finally:
-        await cluster.close()
 
 
 async def _respawned(cluster: LocalCluster, old: int) -> int | None:
