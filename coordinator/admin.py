@@ -27,6 +27,7 @@ from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
 
 from replicator.coordinator.blob_repairs import NoWorker, WorkerExited
+from replicator.coordinator.drops import NotHeld
 from replicator.coordinator.filecheck import WriteProbe
 from replicator.coordinator.view import AdminView
 from replicator.shared import config as config_module
@@ -93,6 +94,7 @@ class AdminServer:
         app.router.add_post("/antientropy", self.antientropy)
         app.router.add_post("/antientropy/{database}", self.antientropy)
         app.router.add_post("/repair/blobs/{database}", self.repair_blobs)
+        app.router.add_post("/pairs/{peer}/{database}/reset", self.reset_pair)
         self._app = app
 
     async def start(self) -> None:
@@ -250,8 +252,9 @@ class AdminServer:
         return _reply({"name": name, "deleted": True})
 
     async def delete_database(self, request: web.Request) -> web.Response:
-        """Delete a database cluster-wide (`shared.dropped`): a marker whose version is the deletion floor. Every
-        node drops the records up to it, for good, and removes the database when nothing is left of it."""
+        """Delete a database cluster-wide (`shared.dropped`): a marker whose floors are what this node holds of it,
+        per origin. Every node drops the records they cover, for good, and removes the database when nothing is
+        left of it; a write made after the deletion survives it."""
         name = request.match_info["name"]
         if not NAME_RE.fullmatch(name):
             return _error(400, f"bad database name {name[:80]!r}: use 1 to 64 of A-Z a-z 0-9 _ -")
@@ -260,8 +263,12 @@ class AdminServer:
         drops = self._node.drops
         if not drops.known(name):
             return _error(404, f"no database {name!r} on this node, and no node of the registry holds one")
-        version = drops.request(name)
-        return _reply({"name": name, "version": version})
+        try:
+            version, floors = drops.request(name)
+        except NotHeld as exc:
+            holders = sorted(view.name for view in self._node.views.values() if name in view.holds)
+            return _error(409, f"{exc} ({', '.join(holders) or 'none known'})")
+        return _reply({"name": name, "version": version, "floors": floors})
 
     async def digest(self, request: web.Request) -> web.Response:
         name = request.match_info["database"]
@@ -287,6 +294,19 @@ class AdminServer:
         return _reply(
             {"rounds": [report.summary() for report in reports], "repaired": sum(r.repaired for r in reports)}
         )
+
+    async def reset_pair(self, request: web.Request) -> web.Response:
+        """Renew this node's subscription to one peer for one database, without a restart: its session ends and a
+        new one starts from this node's durable positions, on the setup ladder (the other direction is the peer's
+        own subscription: reset it there)."""
+        peer, database = request.match_info["peer"], request.match_info["database"]
+        if not NAME_RE.match(peer):
+            return _error(400, f"bad node name {peer[:80]!r}: use 1 to 64 of A-Z a-z 0-9 _ -")
+        if not NAME_RE.match(database):
+            return _error(400, f"bad database name {database[:80]!r}: use 1 to 64 of A-Z a-z 0-9 _ -")
+        if not self._node.reset_pair(peer, database):
+            return _error(404, f"this node does not replicate database {database!r} with {peer!r}")
+        return _reply({"peer": peer, "database": database, "reset": True}, 202)
 
     def _unheld(self, name: str) -> web.Response | None:
         """The 400 for a bad database name, or the 404 for a database this node does not hold; None if it holds it."""
@@ -342,7 +362,10 @@ def status_document(node: AdminView) -> dict[str, Any]:
         for slot, handle in sorted(node.supervisor.workers.items())
     ]
     connections = []
+    pairs_of: dict[str, list[str]] = {}
     for entry in sorted(node.map, key=lambda e: e.peer):
+        for database in entry.pairs:
+            pairs_of.setdefault(database, []).append(entry.peer)
         databases = []
         for database, pair in sorted(entry.pairs.items()):
             databases.append(
@@ -359,6 +382,10 @@ def status_document(node: AdminView) -> dict[str, Any]:
                     "last_error": pair.last_error or None,
                     "applied": pair.applied,
                     "caught_up": pair.caught_up,
+                    # Origins the peer holds complete beyond this node, with this node's position for each; with
+                    # `ahead_for_s`, how long none of them has moved (a stall past stall_threshold is renewed).
+                    "ahead": dict(sorted(pair.ahead.items())),
+                    "ahead_for_s": round(now - pair.ahead_since, 3) if pair.ahead_since is not None else None,
                     "copy": pair.copy(now),
                     # The current session's records: received (won or not) and applied; a record received
                     # again after a resume is the difference.
@@ -389,7 +416,25 @@ def status_document(node: AdminView) -> dict[str, Any]:
         "connections": connections,
         # Per database, the direct peers whose origins every connected peer carries (their link is down).
         "failed_over": node.router.failed_over(),
-        "recovery": {name: dict(state) for name, state in sorted(node.recoveries.items())},
+        "recovery": node.recoveries.status(pairs_of),
+        # The sending end of each pair: what this node serves each peer that subscribes to it.
+        "sending": [
+            {
+                "peer": state.peer,
+                "database": state.database,
+                "connected": state.connected,
+                "worker": state.worker,
+                "session": state.session,
+                "batches_sent": state.batches_sent,
+                "batches_acked": state.batches_acked,
+                "records_sent": state.records_sent,
+                "caught_up": state.caught_up,
+                "blocked": state.blocked,
+                "exclude": state.exclude,
+                "error": state.error or None,
+            }
+            for _, state in sorted(node.sending.items())
+        ],
         "clock_offsets": {peer: offset for peer, offset in sorted(node.peer_clock.items())},
         # Per held database, the last pass of the scrub (checksums, buckets and bucket digests verified).
         "scrub": {database: report.status() for database, report in node.antientropy.scrubs().items()},

@@ -326,6 +326,17 @@ class AntiEntropy:
             if not waiter.done():
                 waiter.set_result(RoundReport(schedule.peer, schedule.database, self._node.wall(), error=reason))
 
+    def run_soon(self, key: str, database: str, reason: str) -> bool:
+        """Start the pair's round now rather than at its drawn time (a subscription found this node behind its
+        peer's purge: `messages.PurgeBehind`). Not waiting for the stream to catch up: what the round removes is
+        what no stream will ever correct. True when a round started; one already running is left to finish."""
+        schedule = self._schedules.get((key, database))
+        if schedule is None or schedule.phase is not Phase.WAITING:
+            return False
+        started = self._start(schedule)
+        log.info("antientropy_requested", peer=schedule.peer, database=database, reason=reason, started=started)
+        return started
+
     async def run_now(self, database: str | None = None, timeout: float | None = None) -> list[RoundReport]:
         """Run a round now with every pair of `database` (of every held database when None) and wait for them all, at
         most `timeout` seconds (the round timeout by default). A pair whose round is already running is waited

@@ -37,6 +37,7 @@ from urllib.parse import quote, urlsplit
 import aiohttp
 from cryptography import x509
 
+from replicator.coordinator.recovery import Phase
 from replicator.shared.backoff import Backoff, Jitter
 from replicator.shared.config import (
     NAME_RE,
@@ -64,6 +65,7 @@ from replicator.shared.tls import (
 
 if TYPE_CHECKING:
     from replicator.coordinator.node import Node
+    from replicator.coordinator.replication_map import PairState
     from replicator.coordinator.template import WorkerTemplate
 
 T = TypeVar("T")
@@ -476,15 +478,16 @@ class CopyState:
 
 
 def copy_state(node: Node, leader: str, databases: list[str]) -> CopyState:
-    """Where the copy stands, read off the node: a database is copied once its recovery finished here, which takes
-    its pairs caught up (`Node.check_recoveries`)."""
+    """Where the copy stands, read off the node: a database is copied once its pair with the leader has caught up,
+    and, if its file here is one that recovers (the system database, whose registry lists what this node held),
+    once its recovery finished (`Node.check_recoveries`)."""
     view = node.views.get(leader)
     if view is not None and view.version:
         # The leader's own row has arrived: a database it stopped holding meanwhile (deleted) is not waited for.
         databases = [database for database in databases if database == SYSTEM or database in view.holds]
-    done = [d for d in databases if node.recoveries.get(d, {}).get("state") == "recovered"]
-    pending = [d for d in databases if d not in done]
     entry = node.map.by_peer(leader)
+    done = [d for d in databases if copied(node, entry.pairs.get(d) if entry is not None else None, d)]
+    pending = [d for d in databases if d not in done]
     pairs = list(entry.pairs.values()) if entry is not None else []
     errors = [pair.last_error for pair in pairs if pair.last_error and not pair.connected]
     return CopyState(
@@ -494,6 +497,22 @@ def copy_state(node: Node, leader: str, databases: list[str]) -> CopyState:
         connected=any(pair.connected for pair in pairs),
         error=errors[0] if errors else "",
     )
+
+
+def copied(node: Node, pair: PairState | None, database: str) -> bool:
+    recovery = node.recoveries.get(database)
+    if recovery is not None:
+        return recovery.phase is Phase.RECOVERED
+    return pair is not None and pair.caught_up_at is not None
+
+
+def records_copied(node: Node, database: str) -> int:
+    """What the database holds here once copied: the records its recovery counted, or its live records."""
+    recovery = node.recoveries.get(database)
+    if recovery is not None and recovery.phase is Phase.RECOVERED:
+        return recovery.records
+    assert node.store is not None
+    return node.store.database(database).count_live()
 
 
 def refused(error: str) -> bool:
@@ -553,10 +572,10 @@ async def copy(
         for database in state.done:
             if database not in reported:
                 reported.add(database)
-                records = node.recoveries.get(database, {}).get("records", 0)
+                records = records_copied(node, database)
                 say(f"clone: {database} copied ({records:,} records)")
         if not state.pending:
-            total = sum(node.recoveries.get(d, {}).get("records", 0) for d in state.done)
+            total = sum(records_copied(node, d) for d in state.done)
             say(f"clone: copied {len(state.done)} databases ({total:,} records) from {leader} in {now - started:.1f} s")
             return EXIT_OK
         if now - last_progress >= PROGRESS_EVERY:

@@ -1,8 +1,9 @@
 """`replicator delete-database --admin URL NAME`: delete a database cluster-wide through one node's admin port.
 
 The node writes a deletion marker (`DELETE /databases/{name}`, see `shared.dropped`) that replicates to every node;
-each drops the records written before it and removes the database. Exit 0 when the node took the request, 1 when it
-refused it (its message is printed) or cannot be reached, 2 on a usage error.
+each drops the records the node held when it took the request, and removes the database once nothing is left of it.
+A write made after the deletion (on a node that was cut off, say) survives it. Exit 0 when the node took the request,
+1 when it refused it (its message is printed) or cannot be reached, 2 on a usage error.
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ async def cmd_delete_database(admin: str, name: str, token: str = "") -> int:
     if status != 200 or not isinstance(body, dict) or "version" not in body:
         reason = body.get("error") if isinstance(body, dict) else None
         return _fail(f"{url} answered {status}: {reason or text.strip()[:200]}", EXIT_FAILED)
+    origins = len(body.get("floors") or {})
     print(
-        f"deleted database {name} cluster-wide at version {body['version']}: every node drops what was written to it"
-        " up to that version and removes it"
+        f"deleted database {name} cluster-wide (marker version {body['version']}, {origins} origins): every node drops"
+        " what this node held of it and removes it; writes made after the deletion survive"
     )
     return 0
 

@@ -1,6 +1,6 @@
 """Deleting databases on this node: the markers of `system.dropped` (`shared.dropped`) applied to its own files.
 
-    marker with floor V, file not purged through V  -> the records up to V go (Database.drop_through)
+    markers' floors, file not purged through them  -> the records they cover go (Database.drop_through)
     marker, and the file holds no record at all     -> the database is removed from this node:
         block it in this process (Store.block) and drop its pairs with every peer
         DropDatabase to every worker process         -> each ends the database's sessions, inbound and outbound,
@@ -14,7 +14,7 @@ REMOVAL_TIMEOUT) no process of the node opens the database, so a write to it in 
 again. A worker that does not answer in time leaves the file in place, and a later pass tries again.
 
 The pass runs whenever the system database changes and every reconcile interval. A database written to after its
-deletion holds records above the floor and stays. A node that held the database while it was down purges it when
+deletion holds records the floors do not cover and stays. A node that held the database while it was down purges it when
 the marker reaches it; meanwhile its peers' subscriptions to it create nothing (`workers.dropped`).
 """
 
@@ -27,12 +27,20 @@ from typing import Any
 from replicator.coordinator.view import DropsView
 from replicator.shared import dropped, messages
 from replicator.shared.logs import log
-from replicator.shared.store import SYSTEM, UnknownDatabase
+from replicator.shared.store import SYSTEM, DeletionFloors, UnknownDatabase
 
 # How long a removal waits for every worker to close the database before it leaves the file for a later pass.
 REMOVAL_TIMEOUT = 20.0
 # How often a DropDatabase that could not be delivered (a worker still starting) is offered again.
 RESEND = 0.1
+
+
+class NotHeld(LookupError):
+    """A deletion asked of a node that holds no file of the database: it has seen nothing of it to delete."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"this node holds no file of database {name!r}: ask a node that holds it")
+        self.name = name
 
 
 class Drops:
@@ -88,35 +96,38 @@ class Drops:
             return True
         return any(name in view.holds for view in node.views.values())
 
-    def request(self, name: str) -> int:
-        """Delete `name` cluster-wide: write its marker; returns the floor. Every node applies it, this one first.
+    def request(self, name: str) -> tuple[int, dict[str, int]]:
+        """Delete `name` cluster-wide: write this node's marker; returns its version and floors. Every node applies
+        it, this one first.
 
-        Each database file keeps its own clock, so the floor is set to cover what was written before it: every
-        version this node holds or wrote of the database (its file's clock), and every version any node can have
-        written by now. A version is at most max_clock_skew ahead of its writer's wall clock (a new file starts
-        there, and peers refuse one further ahead), so the floor is at least the wall clock plus max_clock_skew: a
-        node cut off from the cluster at the time loses what it writes to the database in that span too, when the
-        marker reaches it.
+        The floors are what this node holds of the database, per origin (the newest version of each): the deletion
+        removes what this node had seen and nothing else, so a write acknowledged anywhere after it returned (by a
+        node cut off at the time, say) survives it, whatever the clocks say (invariant 20). NotHeld when this node
+        holds no file of the database: it has seen nothing of it to delete.
         """
         node = self._node
-        minimum = int((node.wall() + node.config.replication.max_clock_skew) * 1_000_000)
         store = node.store
-        if store is not None and store.path(name).exists():
-            try:
-                minimum = max(minimum, store.database(name).clock_version)
-            except UnknownDatabase:
-                pass  # being removed here already
-        floor = dropped.write(node.system(), name, requested_by=node.name, at=node.wall(), minimum=minimum)
-        log.info("database_delete_requested", database=name, floor=floor)
+        if store is None or not store.path(name).exists():
+            raise NotHeld(name)
+        try:
+            held = store.database(name).origins()
+        except UnknownDatabase:
+            raise NotHeld(name) from None  # being removed here already
+        floors = dropped.seen(held)
+        version = dropped.write(node.system(), name, requested_by=node.name, at=node.wall(), floors=floors)
+        log.info("database_delete_requested", database=name, marker=version, floors=floors)
         self.poke()
-        return floor
+        return version, floors
 
     # -- applying the markers ----------------------------------------------------------------------------------
 
     async def _run(self) -> None:
         while True:
             try:
-                await asyncio.wait_for(self._wake.wait(), self._node.config.replication.reconcile_interval)
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancellation that lands as the
+                # event is set, and close() would wait forever.
+                async with asyncio.timeout(self._node.config.replication.reconcile_interval):
+                    await self._wake.wait()
             except TimeoutError:
                 pass
             self._wake.clear()
@@ -144,7 +155,7 @@ class Drops:
                 done.append(event)
         return done
 
-    async def _apply_one(self, name: str, floor: int) -> dict[str, Any] | None:
+    async def _apply_one(self, name: str, floors: DeletionFloors) -> dict[str, Any] | None:
         store = self._node.store
         assert store is not None
         try:
@@ -152,14 +163,24 @@ class Drops:
         except UnknownDatabase:
             return None  # removed since the listing
         records = 0
-        purging = db.dropped_purged < floor
+        purging = not floors.within(db.dropped_purged)
+        own = floors.floor_of(self._node.name)
+        if purging and db.regress(own, deletion=True):
+            # The deletion saw more of this node's writes than this file holds: the file went back in time (or its
+            # clock did), and what it wrote since must not fall under a deletion that never saw it.
+            log.warning("database_regressed", peer="", database=name, floor=own, reason="deletion floor")
+            self._node.database_regressed(name, own)
         if purging:
             # Off the loop: a large database is walked in chunks, each a transaction of its own.
-            records = await self._to_thread(db.drop_through, floor)
+            records = await self._to_thread(db.drop_through, floors)
         removed = db.is_empty() and await self._remove(name)
         if not (purging or removed):
             return None
-        return {"database": name, "floor": floor, "removed": removed, "records_removed": records}
+        shown = dict(sorted(floors.origins.items()))
+        event = {"database": name, "floors": shown, "removed": removed, "records_removed": records}
+        if floors.every:
+            event["every"] = floors.every  # a marker of an earlier version: every origin up to it
+        return event
 
     async def _remove(self, name: str) -> bool:
         """Remove the empty database `name` from this node; True when its file is gone."""
@@ -221,7 +242,8 @@ class Drops:
                             asked.add((slot, pid))
                     self._answered.clear()
                     try:
-                        await asyncio.wait_for(self._answered.wait(), RESEND)
+                        async with asyncio.timeout(RESEND):  # not wait_for: see _run
+                            await self._answered.wait()
                     except TimeoutError:
                         pass
         except TimeoutError:

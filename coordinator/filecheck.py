@@ -264,7 +264,8 @@ class WriteProbe:
             if self._running is None:
                 self._running = asyncio.ensure_future(asyncio.to_thread(probe_write, self._directory, self._database))
             try:
-                found = await asyncio.wait_for(asyncio.shield(self._running), self._timeout)
+                async with asyncio.timeout(self._timeout):  # not wait_for (Python 3.11 drops cancellations)
+                    found = await asyncio.shield(self._running)
                 self._running = None
             except TimeoutError:
                 found = f"store cannot write: a write in {self._directory} has not finished in {self._timeout:g} s"

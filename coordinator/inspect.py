@@ -163,7 +163,9 @@ def render_status(body: dict[str, Any], now: float = 0.0) -> str:
         else "no peers"
     )
     for database, origins in sorted((body.get("failed_over") or {}).items()):
-        lines.append(f"failed over: {database} receives {', '.join(origins)} through other peers (direct link down)")
+        lines.append(
+            f"failed over: {database} receives {', '.join(origins)} through other peers (direct link down or flapping)"
+        )
     for peer, d in pairs:
         copy = d.get("copy")
         if copy:
@@ -175,7 +177,9 @@ def render_status(body: dict[str, Any], now: float = 0.0) -> str:
             )
     for database, state in sorted((body.get("recovery") or {}).items()):
         if state.get("state") == "recovering":
-            lines.append(f"recovering: {database} waits for its peers to serve this node's own writes back")
+            waiting = state.get("waiting_for") or []
+            who = f" (waiting for {', '.join(waiting)})" if waiting else ""
+            lines.append(f"recovering: {database} waits for its peers to serve this node's own writes back{who}")
     for peer, d in pairs:
         last = d.get("antientropy") or {}
         if last.get("error"):

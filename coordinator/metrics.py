@@ -419,6 +419,14 @@ class _StateCollector(Collector):
         for kind in ("wedge", "stall"):
             redrives.add_metric([kind], node.redrives[kind])
         yield redrives
+        stalls = CounterMetricFamily(
+            "replicator_pair_stalls",
+            "Pairs found connected but not receiving while their peer was ahead, and renewed",
+            labels=["peer"],
+        )
+        for peer, count in sorted(node.stalls.items()):
+            stalls.add_metric([peer], count)
+        yield stalls
         rss = GaugeMetricFamily("replicator_worker_rss_bytes", "Resident memory of each worker", labels=["worker"])
         for slot, handle in sorted(node.supervisor.workers.items()):
             if handle.alive:
@@ -504,7 +512,7 @@ class _StateCollector(Collector):
         recovering = GaugeMetricFamily(
             "replicator_databases_recovering", "Databases waiting for peers to serve this node's own writes back"
         )
-        recovering.add_metric([], len(node.recovering))
+        recovering.add_metric([], len(node.recoveries.recovering()))
         yield recovering
 
 

@@ -30,6 +30,7 @@ from replicator.coordinator.blob_repairs import BlobRepairs
 from replicator.coordinator.drops import Drops
 from replicator.coordinator.metrics import Metrics
 from replicator.coordinator.reachability import unreachable_from_peers
+from replicator.coordinator.recovery import Recoveries
 from replicator.coordinator.registry import SYSTEM, NodeView
 from replicator.coordinator.replication_map import Entry, PairState, ReplicationMap, StallWatch, should_fire_stall_kick
 from replicator.coordinator.routing import Router
@@ -117,16 +118,15 @@ class Node:
         self.blob_repairs = BlobRepairs(self.supervisor, loop=self.loop)  # admin POST /repair/blobs, run by workers
         self.drops = Drops(self, loop=self.loop)  # databases deleted cluster-wide, applied to this node's files
         self.router = Router(config.replication.failover_after, self._on_route_change, loop=self.loop)
-        # Databases whose file may lack this node's own writes (new, empty, lost, adopted), until the peers
-        # have served them back; and what each recovery brought.
-        self.recovering: set[str] = set()
-        self.recoveries: dict[str, dict[str, Any]] = {}
+        # Databases whose file may lack this node's own writes (lost, adopted, gone back in time), until every peer
+        # has served them back (coordinator.recovery).
+        self.recoveries = Recoveries()
         self.peer_clock: dict[str, float] = {}  # peer -> its wall clock minus ours, from the last handshake
         # (database, peer) -> what the peer holds complete of each origin, as our senders last saw it acknowledged:
         # a tombstone is purged only once every holder has it.
         self.peer_holds: dict[tuple[str, str], dict[str, int]] = {}
-        self.regressions: dict[str, int] = {}  # database -> the floor of its latest regression (see Database.regress)
-        self.regressed_at: dict[str, float] = {}  # only sessions connected after it count for that recovery
+        # (peer, database) -> the sending end of the pair, as this node's sender last reported it (`/status`).
+        self.sending: dict[tuple[str, str], messages.Sending] = {}
         self._registry_synced = False
         # The next registry pass looks at every node again, not only at those whose view changed (sync_registry).
         self._sync_all = True
@@ -140,6 +140,7 @@ class Node:
         self._placements = 0
         self.reassignments = 0
         self.redrives = {"wedge": 0, "stall": 0}
+        self.stalls: dict[str, int] = {}  # peer -> pairs found stalled and renewed (replicator_pair_stalls_total)
         self.exit_code = EXIT_OK
         self.boot_error = ""
         self._stop = asyncio.Event()
@@ -243,12 +244,15 @@ class Node:
             raise BootError(str(exc)) from None
         log.info("database_files_checked", files=checked, check="integrity" if self._check_integrity else "quick")
         try:
-            self.store = Store(directory, self.name, clock_lead=config.replication.max_clock_skew)
+            self.store = Store(directory, self.name, clock_lead=config.replication.max_clock_skew, holdings=True)
             # Registry rows and drops committed here wake the workers' senders (shared.notify).
             self.doorbell = Doorbell(directory, hears=False)
             self.store.on_commit = self.doorbell.ring
             self.supervisor.doorbell = self.doorbell
             system = self.system()
+            # Every file here is one this node holds (a damaged one moved aside included): a file of the name made
+            # later, the one that replaces it now included, is a lost one to recover, not a new database.
+            self.store.note_held(sorted(set(self.store.names()) | {damage.database for damage in moved}))
             for damage in moved:
                 # Created empty, it starts recovering: the peers serve it back.
                 self.store.database(damage.database, create=True)
@@ -289,12 +293,17 @@ class Node:
 
     async def _await_ready(self) -> None:
         try:
-            await asyncio.wait_for(self._ready.wait(), BOOT_TIMEOUT)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancellation (SIGTERM's) that lands as
+            # the event is set, and the node would never stop.
+            async with asyncio.timeout(BOOT_TIMEOUT):
+                await self._ready.wait()
         except TimeoutError:
             log.error("boot_timeout", waited_s=BOOT_TIMEOUT)
             self.exit_code = EXIT_BOOT_ERROR
             self.request_stop()
             return
+        if self._closing:
+            return  # stopped while the workers came up: nothing more starts
         log.info("node_ready", node=self.name, workers=len(self.supervisor.live()))
         self.notifier.status(self.status_text(), "READY=1")
         self._tasks.append(self.loop.create_task(self._registry_loop(), name="registry watcher"))
@@ -330,9 +339,12 @@ class Node:
         self.notifier.notify("STOPPING=1")
         self.pauses.close()
         self.trimmer.close()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        # A task started while the others stopped (the readiness wait's, say) is cancelled too.
+        while self._tasks:
+            tasks, self._tasks = self._tasks, []
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         await self.antientropy.close()
         await self.drops.close()
         for entry in self.map:
@@ -423,7 +435,8 @@ class Node:
                     elif self.loop.time() - came_up_at >= WATCHER_HEALTHY_UPTIME:
                         backoff.reset()
                     try:
-                        await asyncio.wait_for(self._registry_poke.wait(), REGISTRY_POLL)
+                        async with asyncio.timeout(REGISTRY_POLL):  # not wait_for: see _await_ready
+                            await self._registry_poke.wait()
                     except TimeoutError:
                         pass
             except asyncio.CancelledError:
@@ -457,7 +470,7 @@ class Node:
             if name != self.name and (full or name in changed):
                 self.on_node_update(views[name], event=name in changed)
         self._registry_synced = True
-        self._registry_trusted = SYSTEM not in self.recovering
+        self._registry_trusted = SYSTEM not in self.recoveries
         self.check_recoveries()
 
     def _direct_peers(self, database: str) -> list[str]:
@@ -490,6 +503,8 @@ class Node:
     def on_node_removed(self, name: str) -> None:
         for key in [key for key in self.peer_holds if key[1] == name]:
             del self.peer_holds[key]
+        for key in [key for key in self.sending if key[0] == name]:
+            del self.sending[key]
         entry = self.map.by_peer(name)
         if entry is not None:
             self._drop_entry(entry, "node removed")
@@ -504,7 +519,7 @@ class Node:
             database=database,
             exclude=exclude,
             leader=view.leader,
-            recovery=self.regressions.get(database, 0),
+            recovery=self.recoveries.floor(database),
         )
 
     def on_database(self, view: NodeView, database: str, event: bool = True) -> None:
@@ -589,6 +604,29 @@ class Node:
         # After the pair is gone, so the re-routed payloads of the other pairs no longer exclude its origin.
         self.router.forget(database, entry.peer)
 
+    def reset_pair(self, peer: str, database: str) -> bool:
+        """An operator's reset of one pair (`POST /pairs/{peer}/{database}/reset`): the worker drops the pair's
+        session, and a new one is set up on the ladder from the durable positions. False when there is no such pair."""
+        entry = self.map.by_peer(peer)
+        pair = entry.pairs.get(database) if entry is not None else None
+        if entry is None or pair is None:
+            return False
+        for worker in {entry.worker, pair.worker}:
+            if worker is not None and worker >= 0:
+                self.supervisor.send(worker, messages.Unsubscribe(key=entry.key, database=database))
+        now = self.loop.time()
+        if pair.connected or pair.disconnected_at is None:
+            pair.disconnected_at = now
+        pair.connected = False
+        pair.caught_up = False
+        pair.stall = None
+        pair.dispatched_to = None
+        self.router.report(database, peer, up=False)
+        log.warning("pair_reset", peer=peer, database=database, worker=pair.worker)
+        if not self.scheduler.schedule(entry.url, database, pair.payload, sweep=self.ladder):
+            self.scheduler.refresh_pending(entry.url, database, pair.payload)
+        return True
+
     def _on_route_change(self, database: str) -> None:
         """An origin of `database` moved between its direct link and the other pairs: every pair of the database
         whose exclusions changed is set up again, on the ladder (stagger spacing)."""
@@ -621,74 +659,67 @@ class Node:
         except UnknownDatabase:
             return  # removed, or being removed, since the report
         if recovering:
-            self.recovering.add(database)
-            self.recoveries[database] = {"state": "recovering", "since": self.wall(), "records": 0}
+            self.recoveries.begin(database, wall=self.wall(), now=self.loop.time())
+
+    def database_regressed(self, database: str, floor: int) -> None:
+        """The database's file went back in time, to `floor` (`Database.regress`): its recovery starts again."""
+        if self.recoveries.regressed(database, floor, wall=self.wall(), now=self.loop.time()):
+            # Every pair of the database subscribes again, on the ladder, asking for our own writes back.
+            self._refresh_payloads(database, "resubscribed")
+
+    def pairs_of(self, database: str) -> dict[str, PairState]:
+        """The pairs this node has for `database`, by peer."""
+        return {entry.peer: pair for entry in self.map if (pair := entry.pairs.get(database)) is not None}
 
     def check_recoveries(self, databases: Iterable[str] | None = None) -> None:
-        """Finish the recovery of every database whose peers have served it back: each of its pairs is caught up
-        or has been down for failover_after, and at least one is caught up. A database no peer holds (a new one)
-        has nothing to wait for once the registry, itself recovered, says so.
+        """Finish the recovery of every database whose peers have all served it back (coordinator.recovery).
 
         `databases`: only those (a worker's report concerns one); the reconcile pass and the registry look at all.
         """
         if not self._registry_synced or self.store is None:
             return
-        targets = sorted(
-            self.recovering if databases is None else self.recovering.intersection(databases),
-            key=lambda name: (name != SYSTEM, name),
-        )
+        targets = self.recoveries.recovering()
+        if databases is not None:
+            wanted = set(databases)
+            targets = [name for name in targets if name in wanted]
         if not targets:
             return
-        now = self.loop.time()
-        patience = self.config.replication.failover_after
         # Each database's pairs from one walk of the map, and what the peers hold only if it is asked: a walk per
         # database would cost O(databases x peers) per report while many databases recover at once.
-        found: dict[str, list[PairState]] = {database: [] for database in targets}
+        found: dict[str, dict[str, PairState]] = {database: {} for database in targets}
         for entry in self.map:
             if len(entry.pairs) < len(found):
                 for database, pair in entry.pairs.items():
                     if database in found:
-                        found[database].append(pair)
+                        found[database][entry.peer] = pair
             else:
                 for database, pairs in found.items():
                     if (pair := entry.pairs.get(database)) is not None:
-                        pairs.append(pair)
+                        pairs[entry.peer] = pair
         held_by_peers: set[str] | None = None
         for database in targets:
             pairs = found[database]
-            since = self.regressed_at.get(database, float("-inf"))
-
-            def served(pair: PairState, since: float = since) -> bool:
-                return pair.connected and pair.caught_up and (pair.connected_at or 0.0) >= since
-
-            caught = [pair for pair in pairs if served(pair)]
-            waiting = [
-                pair
-                for pair in pairs
-                if not served(pair) and (pair.connected or now - (pair.disconnected_at or pair.created_at) < patience)
-            ]
-            if pairs and (waiting or not caught):
+            if not pairs and database != SYSTEM and held_by_peers is None:
+                held_by_peers = {d for name, view in self.views.items() if name != self.name for d in view.holds}
+            ready = self.recoveries.ready(
+                database,
+                pairs,
+                held_elsewhere=held_by_peers is not None and database in held_by_peers,
+                registry_trusted=self._registry_trusted,
+            )
+            if not ready:
                 continue
-            if not pairs and database != SYSTEM:
-                if held_by_peers is None:
-                    held_by_peers = {d for name, view in self.views.items() if name != self.name for d in view.holds}
-                if not self._registry_trusted or database in held_by_peers:
-                    continue  # a peer holds it, or the registry that would say so is not whole yet
             try:
                 records = self.store.database(database).finish_recovery()
             except UnknownDatabase:
                 continue  # being removed from this node
-            self.recovering.discard(database)
+            self.recoveries.finish(database, records, wall=self.wall())
+            if pairs:
+                log.info("database_recovered", database=database, records=records, peers=sorted(pairs))
             if database == SYSTEM:
-                self.poke_registry()  # the views are rebuilt from the whole registry before anything else flips
-            self.recoveries[database] = {"state": "recovered", "at": self.wall(), "records": records}
-            if caught:
-                log.info(
-                    "database_recovered",
-                    database=database,
-                    records=records,
-                    peers=sorted(entry.peer for entry in self.map if database in entry.pairs),
-                )
+                # The views are rebuilt from the whole registry (new pairs included) before anything else may end.
+                self.poke_registry()
+                break
 
     # -- databases deleted cluster-wide (coordinator.drops) ------------------------------------------------------
 
@@ -704,12 +735,11 @@ class Node:
         here. A peer that still holds it is subscribed to again on the next registry pass (which creates nothing
         here until the peer sends a record written after the deletion)."""
         self.holds.discard(database)
-        self.recovering.discard(database)
-        self.recoveries.pop(database, None)
-        self.regressions.pop(database, None)
-        self.regressed_at.pop(database, None)
+        self.recoveries.forget(database)
         for key in [key for key in self.peer_holds if key[0] == database]:
             del self.peer_holds[key]
+        for key in [key for key in self.sending if key[1] == database]:
+            del self.sending[key]
         self.antientropy.forget_database(database)
         self._write_own_row(self.system())
         self.poke_registry()
@@ -782,12 +812,7 @@ class Node:
             case messages.PeerClock(peer=peer, offset_seconds=offset):
                 self.peer_clock[peer] = offset
             case messages.DatabaseRegressed(name=name, floor=floor):
-                if floor > self.regressions.get(name, 0):
-                    self.regressions[name] = floor
-                    self._note_database(name)
-                    self.regressed_at[name] = now
-                    # Every pair of the database subscribes again, on the ladder, asking for our own writes back.
-                    self._refresh_payloads(name, "resubscribed")
+                self.database_regressed(name, floor)
             case messages.DatabaseClosed():
                 self.drops.on_closed(slot, message)
             case messages.DatabaseOpened(name=name):
@@ -803,6 +828,11 @@ class Node:
                 self.blob_repairs.on_done(message)
             case messages.PeerHolds(peer=peer, database=database, complete=complete):
                 self.peer_holds[(database, peer)] = complete
+            case messages.Sending(peer=peer, database=database):
+                self._on_sending(message)
+            case messages.PurgeBehind(key=key, database=database, origins=origins):
+                # Records whose deletions this node will never be sent may be here: the pair's round, now.
+                self.antientropy.run_soon(key, database, reason=f"behind the peer's purge of {', '.join(origins)}")
 
     def _on_connected(
         self, slot: int, key: str, database: str, worker: int, session: int, head: int, now: float
@@ -860,14 +890,18 @@ class Node:
             return
         own_session = (pair.worker, pair.session) == (message.worker, message.session)
         watch = pair.stall
-        if (
-            watch is not None
-            and (watch.worker, watch.session) == (message.worker, message.session)
-            and message.last_received_seq > watch.seq
-        ):
-            pair.stall = None  # the monitored session progressed: its kick is released
         if not own_session:
+            if (
+                watch is not None
+                and (watch.worker, watch.session) == (message.worker, message.session)
+                and message.last_received_seq > watch.seq
+            ):
+                pair.stall = None  # the monitored session progressed: its kick is released
             return
+        moved = pair.note_ahead(message.ahead, now)
+        watched = watch is not None and (watch.worker, watch.session) == (message.worker, message.session)
+        if watched and (message.last_received_seq > watch.seq or moved):  # type: ignore[union-attr]
+            pair.stall = None  # the monitored session progressed: its kick is released
         if message.last_received_seq > pair.last_received_seq or message.applied > pair.applied:
             pair.last_progress_at = now
         pair.last_received_seq = message.last_received_seq
@@ -884,8 +918,22 @@ class Node:
         entry = self.map.get(message.key)
         if entry is not None and pair.connected:
             self.router.report(message.database, entry.peer, up=True, caught_up=message.caught_up)
-        if message.caught_up and message.database in self.recovering:
-            self.check_recoveries([message.database])
+        if message.caught_up:
+            pair.caught_up_at = now
+            if message.database in self.recoveries and entry is not None:
+                self.recoveries.caught_up(message.database, entry.peer, pair)
+                self.check_recoveries([message.database])
+
+    def _on_sending(self, message: messages.Sending) -> None:
+        """The sending end of a pair reported. Of several sessions of one pair (a reconnect overlapping the old
+        session's end), the newest connected one is shown; one that ended is kept until another reports."""
+        key = (message.peer, message.database)
+        if message.peer not in self.views and message.peer != self.name:
+            return  # a peer the registry does not list (removed): its pairs are not shown
+        held = self.sending.get(key)
+        if not message.connected and held is not None and held.connected and held.session != message.session:
+            return  # an old session's end, after its successor started
+        self.sending[key] = message
 
     def _warn_slow_copy(self, key: str, pair: PairState, now: float) -> None:
         """A copy that has run for SLOW_COPY_AFTER and still has more than that much to go, below
@@ -1059,8 +1107,12 @@ class Node:
                 if pair.worker is None or pair.session is None:
                     continue
                 quiet_since = max(pair.last_progress_at or pair.created_at, pair.stall_kicked_at or 0.0)
+                if pair.ahead_since is not None:
+                    # Ahead on some origin: the time its positions last moved, however much else arrives.
+                    quiet_since = max(pair.ahead_since, pair.stall_kicked_at or 0.0)
                 if now - quiet_since >= threshold:
-                    watch = StallWatch(pair.worker, pair.session, now, pair.last_received_seq)
+                    origin = min(pair.ahead) if pair.ahead else ""
+                    watch = StallWatch(pair.worker, pair.session, now, pair.last_received_seq, origin)
                     pair.stall = watch
                     candidates.append((entry, database, watch))
                     break
@@ -1080,6 +1132,16 @@ class Node:
         pair.stall = None
         pair.stall_kicked_at = self.loop.time()
         self.redrives["stall"] += 1
+        self.stalls[entry.peer] = self.stalls.get(entry.peer, 0) + 1
+        log.warning(
+            "pair_stalled",
+            peer=entry.peer,
+            database=database,
+            origin=watch.origin,
+            behind={origin: mark for origin, mark in sorted(pair.ahead.items())[:5]},
+            worker=watch.worker,
+            session=watch.session,
+        )
         log.warning("stall_kick", peer=entry.peer, database=database, worker=watch.worker, session=watch.session)
         self.supervisor.send(
             watch.worker,

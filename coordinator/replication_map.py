@@ -24,6 +24,7 @@ class StallWatch:
     session: int
     detected_at: float
     seq: int  # last_received_seq when the stall was detected
+    origin: str = ""  # an origin the peer is ahead on (wire.Heads), when that is what showed the stall
 
 
 @dataclass
@@ -50,6 +51,11 @@ class PairState:
     progressed: bool = False  # a session reported a batch received: lag_seconds is a measurement from then on
     applied: int = 0
     caught_up: bool = False  # the peer's last batch said it had nothing more to serve
+    caught_up_at: float | None = None  # when a session of the pair last reported caught up
+    # Origins the peer holds complete beyond this node (its Heads), with this node's complete for each, and since
+    # when none of those positions has moved: a pair ahead and not moving is stalled (invariant 21).
+    ahead: dict[str, int] = field(default_factory=dict)
+    ahead_since: float | None = None
     # The session's copy: what the sender had to serve when it started, what arrived since, and when it started.
     backlog: int = 0
     received: int = 0
@@ -67,7 +73,17 @@ class PairState:
 
     @property
     def behind(self) -> bool:
-        return self.peer_head_seq > self.last_received_seq
+        return self.peer_head_seq > self.last_received_seq or bool(self.ahead)
+
+    def note_ahead(self, ahead: dict[str, int], now: float) -> bool:
+        """A report of the origins the peer is ahead on; True when a position moved (one rose, or caught up)."""
+        moved = bool(self.ahead) and any(ahead.get(origin, mark + 1) > mark for origin, mark in self.ahead.items())
+        if not ahead:
+            self.ahead_since = None
+        elif not self.ahead or moved:
+            self.ahead_since = now
+        self.ahead = ahead
+        return moved
 
     def copy(self, now: float) -> dict[str, Any] | None:
         """The session's copy progress while it is catching up: records received of the backlog the sender had when
@@ -159,5 +175,6 @@ def should_fire_stall_kick(pair: PairState | None, watch: StallWatch) -> bool:
     if pair is None or pair.stall is not watch:
         return False
     if (pair.worker, pair.session) == (watch.worker, watch.session):
-        return pair.connected and pair.behind and pair.last_received_seq <= watch.seq
+        still = pair.connected and pair.behind and pair.last_received_seq <= watch.seq
+        return still and (pair.ahead_since is None or pair.ahead_since <= watch.detected_at)
     return True

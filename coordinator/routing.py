@@ -5,28 +5,43 @@ Every write is tagged with its origin (the node that made it), and a subscriptio
 says it is complete. The receiver's progress is per origin, not per link, so moving an origin from one link to
 another never skips or repeats an entry (a repeat is an identity tie, skipped by last-writer-wins).
 
-The rule, per database, for an origin O that is a direct peer of this node (we dial O for that database):
+The rule, per database, for an origin O that is a direct peer of this node (we dial O for that database). A link
+is judged by its recent availability, not by one outage:
 
     DIRECT       O comes only from O's own link; every other pair excludes O.
-                 Entered at first sight, and again once O's link is connected and caught up.
-    FAILED_OVER  O's link has been down (or never up) for `failover_after`: every connected pair carries O,
-                 so whichever peer holds O's writes passes them on.
+                 Entered at first sight, and again once O's link has been stable for `failover_after`: up and
+                 caught up (its sender said it had nothing more) since a moment from which it has not dropped.
+    FAILED_OVER  O's link has been down (or never up) for `failover_after` at a stretch, or it is flapping: it
+                 dropped (went from up to down) FLAP_DROPS times within `failover_after`, and fails over at the
+                 drop that makes it so. Every connected pair carries O, so whichever peer holds O's writes passes
+                 them on.
+
+Both ways wait, so a link that drops every few seconds leaves its origin on the healthy paths until it holds,
+and the route (each change sets up every pair of the database again) changes once per spell of flapping, not
+once per drop.
 
 Every origin that is not a direct peer (a node behind another, a dead or removed node, an origin never heard
 of) is carried by every pair, and so is this node's own origin (peers send back what a lost file is missing;
 in steady state there is nothing to send). In a full mesh with every link up each origin therefore arrives once
 per receiving node; along a line, each hop relays what is not direct for the next.
 
-The router owns one failover timer per (database, origin) and cancels it whenever the state it was armed for
-changes; `forget` and `close` cancel everything.
+Each link owns one timer, for the state it is in: DIRECT and down waits to fail over, FAILED_OVER and stable
+waits to move back; the other states wait for a report and arm nothing. Every transition cancels the timer of the
+state it leaves; `forget` and `close` cancel everything. `failover_after` may change on reload: it applies from
+the next transition of each link, and to every flap judged from then on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+# Drops within failover_after that make a link flapping. Two drops can be one bad moment (a restart, a network
+# blip and its retry); a third within the window is a pattern.
+FLAP_DROPS = 3
 
 
 class Mode(enum.Enum):
@@ -42,13 +57,20 @@ class Link:
     up: bool = False
     caught_up: bool = False
     down_since: float = 0.0
+    # FAILED_OVER only: when the link was first up and caught up after its last drop; None while it is not.
+    stable_since: float | None = None
     changed_at: float = 0.0
+    drops: deque[float] = field(default_factory=lambda: deque(maxlen=FLAP_DROPS))  # the latest up -> down times
     timer: asyncio.TimerHandle | None = None
 
     def disarm(self) -> None:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+
+    def flapping(self, window: float) -> bool:
+        """FLAP_DROPS drops within `window`, the last one included."""
+        return len(self.drops) == FLAP_DROPS and self.drops[-1] - self.drops[0] <= window
 
 
 class Router:
@@ -116,18 +138,20 @@ class Router:
         link = self._links.get(database, {}).get(peer)
         if link is None:
             return
-        caught_up = up and caught_up
         now = self._loop.time()
+        link.caught_up = up and caught_up
         if up and not link.up:
-            link.disarm()
-        elif not up and link.up:
-            link.down_since = now
+            link.up = True
             self._arm(database, peer, link)
-        link.up, link.caught_up = up, caught_up
-        if link.mode is Mode.FAILED_OVER and caught_up:
-            link.mode = Mode.DIRECT
-            link.changed_at = now
-            self._on_change(database)
+        elif not up and link.up:
+            link.up = False
+            self._dropped(database, peer, link, now)
+        # Only a drop ends the wait to move back, not a report that the link is behind again: under write load
+        # the sender says "caught up" at the end of each backlog and not between, and a connected link that lags
+        # loses nothing by carrying its origin (progress is per origin).
+        if link.mode is Mode.FAILED_OVER and link.caught_up and link.stable_since is None:
+            link.stable_since = now
+            self._arm(database, peer, link)
 
     def close(self) -> None:
         for links in self._links.values():
@@ -135,19 +159,42 @@ class Router:
                 link.disarm()
         self._links.clear()
 
-    # -- timers --------------------------------------------------------------------------------------------------
+    # -- transitions and timers ----------------------------------------------------------------------------------
+
+    def _dropped(self, database: str, peer: str, link: Link, now: float) -> None:
+        link.down_since = now
+        link.stable_since = None
+        link.drops.append(now)
+        if link.mode is Mode.DIRECT and link.flapping(self.failover_after):
+            # The drop that makes the link flapping fails it over at once, rather than when an outage lasts
+            # failover_after: none of its outages may last that long, and each holds the origin's writes back
+            # while other paths are healthy. The link is down at that drop, by definition; that it may be up
+            # again a moment later does not change the verdict (a link that is up between drops this frequent is
+            # not carrying well), and moving back waits until it has been stable for failover_after.
+            self._switch(database, peer, link, Mode.FAILED_OVER)
+        else:
+            self._arm(database, peer, link)
+
+    def _switch(self, database: str, peer: str, link: Link, mode: Mode) -> None:
+        link.mode = mode
+        link.changed_at = self._loop.time()
+        link.stable_since = None
+        self._arm(database, peer, link)
+        self._on_change(database)
 
     def _arm(self, database: str, peer: str, link: Link) -> None:
+        """Cancel the timer of the state the link left and arm the one of the state it is in, if any."""
         link.disarm()
-        if link.mode is Mode.FAILED_OVER:
+        if link.mode is Mode.DIRECT and not link.up:
+            deadline, then = link.down_since + self.failover_after, Mode.FAILED_OVER
+        elif link.mode is Mode.FAILED_OVER and link.stable_since is not None:
+            deadline, then = link.stable_since + self.failover_after, Mode.DIRECT
+        else:
             return
-        delay = max(0.0, link.down_since + self.failover_after - self._loop.time())
-        link.timer = self._loop.call_later(delay, self._fail_over, database, peer, link)
+        link.timer = self._loop.call_at(deadline, self._expire, database, peer, link, then)
 
-    def _fail_over(self, database: str, peer: str, link: Link) -> None:
+    def _expire(self, database: str, peer: str, link: Link, mode: Mode) -> None:
+        # Every transition and `forget` cancel the timer, so when it fires the link is still in the state it was
+        # armed for.
         link.timer = None
-        if self._links.get(database, {}).get(peer) is not link or link.up or link.mode is Mode.FAILED_OVER:
-            return
-        link.mode = Mode.FAILED_OVER
-        link.changed_at = self._loop.time()
-        self._on_change(database)
+        self._switch(database, peer, link, mode)

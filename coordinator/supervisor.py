@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
+import signal
 import socket
 from collections.abc import Callable
 from multiprocessing.process import BaseProcess
@@ -96,7 +97,10 @@ async def wait_until(condition: Callable[[], bool], changed: asyncio.Event, time
             return False
         changed.clear()
         try:
-            await asyncio.wait_for(changed.wait(), left)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancellation that lands as the event
+            # is set.
+            async with asyncio.timeout(left):
+                await changed.wait()
         except TimeoutError:
             return condition()
     return True
@@ -340,6 +344,14 @@ class Supervisor:
             if handle.alive:
                 handle.last_heartbeat = min(now, handle.last_heartbeat + seconds)
 
+    @staticmethod
+    def _terminate(handle: WorkerHandle) -> None:
+        if handle.alive and handle.process is not None:
+            try:
+                os.kill(handle.process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass  # exited meanwhile: the sentinel reports it
+
     def kill(self, slot: int) -> None:
         handle = self.workers.get(slot)
         if handle is not None and handle.alive and handle.process is not None:
@@ -375,7 +387,8 @@ class Supervisor:
     ) -> None:
         if reader is not None:
             try:
-                await asyncio.wait_for(asyncio.shield(reader), 2.0)
+                async with asyncio.timeout(2.0):  # not wait_for: see wait_until
+                    await asyncio.shield(reader)
             except TimeoutError:
                 reader.cancel()
         self._exit_seen.set()
@@ -426,7 +439,9 @@ class Supervisor:
             if handle.respawn_timer is not None:
                 handle.respawn_timer.cancel()
                 handle.respawn_timer = None
-            self.send(handle.slot, messages.Shutdown(deadline=max(0.5, deadline - 1.0)))
+            if not self.send(handle.slot, messages.Shutdown(deadline=max(0.5, deadline - 1.0))):
+                # Its pipe is not served yet (just spawned): SIGTERM drains it the same way.
+                self._terminate(handle)
         await self._wait_all_exited(deadline)
         for handle in self.workers.values():
             if handle.alive and handle.process is not None:

@@ -19,11 +19,12 @@ if TYPE_CHECKING:
     from replicator.coordinator.antientropy import AntiEntropy
     from replicator.coordinator.blob_repairs import BlobRepairs
     from replicator.coordinator.drops import Drops
+    from replicator.coordinator.recovery import Recoveries
     from replicator.coordinator.registry import NodeView
     from replicator.coordinator.replication_map import ReplicationMap
     from replicator.coordinator.setup_scheduler import SetupScheduler, Sweep
     from replicator.coordinator.supervisor import Supervisor
-    from replicator.shared import membership
+    from replicator.shared import membership, messages
     from replicator.shared.config import Config
     from replicator.shared.store import Database, Store
     from replicator.shared.tls import PeerIdentity
@@ -49,6 +50,12 @@ class MetricsView(Protocol):
 
     @property
     def redrives(self) -> Mapping[str, int]: ...
+
+    @property
+    def stalls(self) -> Mapping[str, int]: ...
+
+    @property
+    def recoveries(self) -> Recoveries: ...
 
     @property
     def holds(self) -> Set[str]: ...
@@ -107,11 +114,19 @@ class AdminView(MetricsView, Protocol):
     @property
     def verifier(self) -> membership.Verifier: ...
 
+    @property
+    def recoveries(self) -> Recoveries: ...
+
+    @property
+    def sending(self) -> Mapping[tuple[str, str], messages.Sending]: ...
+
     def revoked(self, identity: PeerIdentity) -> str | None: ...
 
     def system(self) -> Database: ...
 
     def poke_registry(self) -> None: ...
+
+    def reset_pair(self, peer: str, database: str) -> bool: ...
 
 
 class ScalingView(Protocol):
@@ -197,5 +212,7 @@ class DropsView(Protocol):
     def poke_registry(self) -> None: ...
 
     def drop_database_pairs(self, database: str) -> None: ...
+
+    def database_regressed(self, database: str, floor: int) -> None: ...
 
     def on_database_removed(self, database: str) -> None: ...

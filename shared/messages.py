@@ -188,6 +188,37 @@ class Progress(msgspec.Struct, tag="progress", kw_only=True):
     received: int = 0  # records received over the session's life (applied or not: duplicates, older versions)
     session_applied: int = 0  # records applied over the session's life (`applied` counts the pair's life)
     received_bytes: int = 0  # bytes of ids and values received over the session's life
+    # Origins the peer holds complete beyond what this node does (its Heads), with this node's complete for each:
+    # while any is listed and none of them rises, the pair is stalled (invariant 21).
+    ahead: dict[str, int] = {}
+
+
+class Sending(msgspec.Struct, tag="sending", kw_only=True):
+    """The sending end of a pair (an inbound session): reported when it starts and ends, and when its figures
+    change, at most every few seconds; `/status` shows it beside the receiving end."""
+
+    peer: str
+    database: str
+    worker: int
+    session: int  # the sender's own number for the inbound session
+    connected: bool
+    batches_sent: int = 0
+    batches_acked: int = 0
+    records_sent: int = 0
+    caught_up: bool = False
+    blocked: dict[str, str] = {}  # origin -> the damaged record its stream waits at
+    exclude: list[str] = []
+    error: str = ""  # why it ended
+
+
+class PurgeBehind(msgspec.Struct, tag="purge_behind", kw_only=True):
+    """A subscription's progress for some origin is below what the peer has purged: this node may hold records whose
+    deletions it will never be sent, so the pair's anti-entropy round should run now."""
+
+    key: str
+    database: str
+    peer: str
+    origins: list[str]
 
 
 class PeerClock(msgspec.Struct, tag="peer_clock", kw_only=True):
@@ -268,6 +299,8 @@ ToCoordinator = (
     | AntiEntropyDone
     | PeerHolds
     | BlobsRepaired
+    | Sending
+    | PurgeBehind
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -10,10 +10,12 @@ Tables of each database file:
     records  (tbl, id) -> value, version, origin, tombstone,   current state, tombstones included, with each
                           bucket, checksum                     row's digest bucket and checksum
     digests  (tbl, bucket) -> count, live, xor                 the bucket digests anti-entropy compares
-    audit    seq -> tbl, id, value, version, origin, tombstone  every commit, local or applied (history)
+    audit    seq -> tbl, id, value, version, origin, tombstone,  every commit, local or applied (history); local
+                local                                           marks what this node wrote itself
     origins  origin -> complete, top                            what this file holds of each origin
     purged   origin -> scanned                                  how far tombstones were purged (all holders had them)
-    meta     epoch, hlc, owner, recovering                      identity, the clock, whose file it is
+    meta     epoch, hlc, owner, floor, recovering               identity, the clock, whose file it is, its own
+                                                                history (`shared.own_writes`)
 
 Every row carries the checksum of its content (`shared.digests`); a row that no longer matches it is damaged: it
 is never served (reads raise `DamagedRecord`), its checksum is set to DAMAGED, which moves its bucket's digest,
@@ -32,7 +34,8 @@ much of the audit log is kept: pruning the log cannot make anyone skip a write. 
 complete up to its newest write in the file, except in a file that is `recovering`: one this node did not
 build from its own writes (a new, empty or lost file, another node's file, or one a peer shows went back in
 time: `regress`); there the own origin counts only what peers have confirmed, until the coordinator sees the
-peers have served it (`finish_recovery`).
+peers have served it (`finish_recovery`). What the node knows of its own writes is decided in one place,
+`shared.own_writes`; this module keeps its state in the file.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from pathlib import Path
 
 import msgspec
 
-from replicator.shared import blobs, digests, hlc
+from replicator.shared import blobs, digests, hlc, own_writes
 from replicator.shared.config import NAME_RE
 from replicator.shared.digests import DAMAGED
 from replicator.shared.logs import log
@@ -79,7 +82,9 @@ _PRUNE_CHUNK = 20_000
 # first 20 at once (SQLITE_DEFAULT_PCACHE_INITSZ).
 LEAN_CACHE_PAGES = 2
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
+# Before version 4 rows carried no checksums: such a file's rows are checksummed from what they hold (`_add_digests`).
+CHECKSUMS_SINCE = 4
 
 _SCHEMA = (
     # A rowid table on purpose: WITHOUT ROWID keeps whole rows in the key b-tree, which with values of a
@@ -94,7 +99,7 @@ _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS audit (
         seq INTEGER PRIMARY KEY AUTOINCREMENT, tbl TEXT NOT NULL, id TEXT NOT NULL,
         value BLOB NOT NULL, version INTEGER NOT NULL, origin TEXT NOT NULL,
-        tombstone INTEGER NOT NULL, committed_at REAL NOT NULL)""",
+        tombstone INTEGER NOT NULL, committed_at REAL NOT NULL, local INTEGER NOT NULL DEFAULT 0)""",
     # Nothing reads the audit log by origin any more (senders serve the records table); the index only cost writes.
     "DROP INDEX IF EXISTS audit_by_origin",
     # complete: every version of the origin up to it is held (or superseded); top: the highest version held.
@@ -106,8 +111,10 @@ _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS purged (origin TEXT PRIMARY KEY, scanned INTEGER NOT NULL) WITHOUT ROWID""",
 )
 
-# The columns an earlier schema lacks, added in place by `_initialize`.
+# The columns an earlier schema lacks, added in place by `_initialize`. An audit entry from before version 5 reads
+# as applied: nothing tells it was written here, so it proves nothing of what this node wrote (`shared.own_writes`).
 _ADDED_COLUMNS = ("bucket INTEGER", "checksum INTEGER")
+_ADDED_AUDIT_COLUMNS = ("local INTEGER NOT NULL DEFAULT 0",)
 
 # The digest machinery, created after the columns exist. The node adds each row it writes to its bucket's digest
 # itself, once per bucket and transaction (`_add_to_digests`: cheaper than a trigger per row); triggers take out
@@ -145,7 +152,7 @@ _UPSERT = (
     " origin = excluded.origin, tombstone = excluded.tombstone, bucket = excluded.bucket,"
     " checksum = excluded.checksum"
 )
-_APPEND = f"INSERT INTO audit ({_COLUMNS}, committed_at) VALUES (?, ?, ?, ?, ?, ?, ?)"
+_APPEND = f"INSERT INTO audit ({_COLUMNS}, committed_at, local) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
 _LOOKUP = {
     size: f"SELECT id, version, origin, checksum FROM records WHERE tbl = ? AND id IN ({', '.join('?' * size)})"
     for size in _IN_SIZES
@@ -209,6 +216,55 @@ class Origin(msgspec.Struct, frozen=True):
 
     complete: int = 0
     top: int = 0
+
+
+class DeletionFloors(msgspec.Struct, frozen=True):
+    """What cluster-wide deletions of a database cover (`shared.dropped`): by origin, every version up to its floor,
+    which is what the deleting node held of that origin when the deletion was asked for (invariant 20: a deletion
+    removes what the deleting node had seen, and a write acknowledged after it survives). `every`: every origin up
+    to it, the floor of a marker written before floors were kept per origin."""
+
+    origins: dict[str, int] = {}
+    every: int = 0
+
+    def covers(self, origin: str, version: int) -> bool:
+        return version <= self.every or version <= self.origins.get(origin, 0)
+
+    def merge(self, other: DeletionFloors) -> DeletionFloors:
+        origins = dict(self.origins)
+        for origin, floor in other.origins.items():
+            if floor > origins.get(origin, 0):
+                origins[origin] = floor
+        return DeletionFloors(origins=origins, every=max(self.every, other.every))
+
+    def within(self, other: DeletionFloors) -> bool:
+        """Does `other` cover everything these floors do?"""
+        if self.every > other.every:
+            return False
+        return all(floor <= max(other.every, other.origins.get(origin, 0)) for origin, floor in self.origins.items())
+
+    def __bool__(self) -> bool:
+        return self.every > 0 or any(floor > 0 for floor in self.origins.values())
+
+    def floor_of(self, origin: str) -> int:
+        return max(self.every, self.origins.get(origin, 0))
+
+
+NO_DELETION = DeletionFloors()
+_floors_decoder = msgspec.msgpack.Decoder(DeletionFloors)
+
+
+def _read_floors(conn: sqlite3.Connection, key: str, legacy: str) -> DeletionFloors:
+    """Deletion floors kept in the meta table under `key`, with the single floor of an earlier version (`legacy`)."""
+    raw = _meta(conn, key)
+    floors = _floors_decoder.decode(raw) if isinstance(raw, bytes) else NO_DELETION
+    every = _meta(conn, legacy)
+    return floors.merge(DeletionFloors(every=every)) if isinstance(every, int) and every > 0 else floors
+
+
+def _set_purged(conn: sqlite3.Connection, floors: DeletionFloors) -> None:
+    encoded = msgspec.msgpack.encode(floors)
+    conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('dropped_purged_floors', ?)", (encoded,))
 
 
 def _entry(row: tuple) -> Entry:
@@ -275,18 +331,23 @@ def _settled(conn: sqlite3.Connection, node: str) -> str | None:
     return str(epoch)
 
 
-def _initialize(conn: sqlite3.Connection, node: str, clock_floor_us: int = 0) -> str:
+def _initialize(
+    conn: sqlite3.Connection, node: str, clock_floor_us: int = 0, history: str = own_writes.LOST, born_us: int = 0
+) -> str:
     """Give the file the schema, identity and owner it lacks; returns the epoch.
 
-    A file without an epoch is new (or empty): nothing in it is this node's own history, so it starts
-    `recovering`. A file of an earlier version (an epoch but no owner) is taken as intact; its origins start
-    at 0, so peers re-send what it holds once and fill any gap. A file another node owned (copied in, or
-    restored from that node's backup) is adopted: its owner's writes are complete up to its newest one in the
-    file unless it was itself recovering, and ours start recovering.
+    A file without an epoch is new (or empty): nothing in it is this node's own history. `history` says what the
+    node knows of its earlier writes to the database (`shared.own_writes`, see `Store.database`): none (a new
+    name), not known, or lost (a file that starts `recovering`, its clock ahead).
+    A file of an earlier version (an epoch but no owner) is taken as intact; its origins start at 0, so peers
+    re-send what it holds once and fill any gap. A file another node owned (copied in, or restored from that
+    node's backup) is adopted: its owner's writes are complete up to its newest one in the file unless it was
+    itself recovering, and ours start recovering.
 
     A recovering file's clock starts at `clock_floor_us`, the wall clock plus max_clock_skew: every version
     this node wrote before it lost the file was at most that far ahead, so the writes it makes now are above
     anything a peer holds of it, and peers that count the node complete up to an old version still take them.
+    A new name has nothing before it: its clock is the wall clock.
     """
     epoch = _settled(conn, node)
     if epoch is not None:
@@ -297,27 +358,28 @@ def _initialize(conn: sqlite3.Connection, node: str, clock_floor_us: int = 0) ->
         fresh = fresh or _meta(conn, "epoch") is None
         for statement in _SCHEMA:
             conn.execute(statement)
+        audit_columns = {row[1] for row in conn.execute("PRAGMA table_info(audit)")}
+        for column in _ADDED_AUDIT_COLUMNS:
+            if column.split()[0] not in audit_columns:
+                conn.execute(f"ALTER TABLE audit ADD COLUMN {column}")
         _add_digests(conn)
         owner = _meta(conn, "owner")
+        conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('epoch', ?)", (secrets.token_hex(16),))
+        conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('hlc', 0)")
         if owner is None:
             conn.execute(
                 "INSERT OR IGNORE INTO origins (origin, top) SELECT origin, max(version) FROM records GROUP BY origin"
             )
-            recovering = 1 if fresh else 0
+            if fresh:
+                own_writes.begin(conn, history=history, clock_floor=clock_floor_us, born=born_us)
+            else:
+                own_writes.begin(conn, history=own_writes.NEW, clock_floor=0)
         elif owner != node:
             if not _meta(conn, "recovering"):
                 row = conn.execute("SELECT top FROM origins WHERE origin = ?", (owner,)).fetchone()
                 conn.execute(_RAISE_COMPLETE, (owner, int(row[0]) if row is not None else 0))
-            recovering = 1
-        else:
-            recovering = int(_meta(conn, "recovering") or 0)
-        conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('epoch', ?)", (secrets.token_hex(16),))
-        conn.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('hlc', 0)")
-        if recovering and (fresh or owner != node):
-            conn.execute("UPDATE meta SET value = max(value, ?) WHERE key = 'hlc'", (clock_floor_us,))
-            conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('floor', ?)", (_meta(conn, "hlc"),))
+            own_writes.begin(conn, history=own_writes.LOST, clock_floor=clock_floor_us)
         conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('owner', ?)", (node,))
-        conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('recovering', ?)", (recovering,))
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         epoch = str(_meta(conn, "epoch"))
         conn.execute("COMMIT")
@@ -337,7 +399,7 @@ def _add_digests(conn: sqlite3.Connection) -> None:
     """
     columns = {row[1] for row in conn.execute("PRAGMA table_info(records)")}
     # Before version 4 there were no checksums, or (in a development build) ones of another hash.
-    legacy = "checksum" not in columns or conn.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION
+    legacy = "checksum" not in columns or conn.execute("PRAGMA user_version").fetchone()[0] < CHECKSUMS_SINCE
     for column in _ADDED_COLUMNS:
         if column.split()[0] not in columns:
             conn.execute(f"ALTER TABLE records ADD COLUMN {column}")
@@ -400,13 +462,15 @@ def _rebuild_digests(conn: sqlite3.Connection) -> None:
     )
 
 
-def _raise_dropped_floor(conn: sqlite3.Connection, floor: int) -> None:
-    """Inside a write transaction: no record at or below `floor` is applied from now on, and the clock moves to it,
-    so every later local write is above it."""
-    held = int(_meta(conn, "dropped_floor") or 0)
-    if floor > held:
-        conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('dropped_floor', ?)", (floor,))
-    conn.execute("UPDATE meta SET value = max(value, ?) WHERE key = 'hlc'", (floor,))
+def _raise_dropped_floor(conn: sqlite3.Connection, node: str, floors: DeletionFloors) -> DeletionFloors:
+    """Inside a write transaction: nothing the floors cover is applied from now on, and the clock moves past this
+    node's own floor, so every later local write survives the deletion. Returns the floors now held."""
+    held = _read_floors(conn, "dropped_floors", "dropped_floor").merge(floors)
+    conn.execute(
+        "INSERT OR REPLACE INTO meta (key, value) VALUES ('dropped_floors', ?)", (msgspec.msgpack.encode(held),)
+    )
+    conn.execute("UPDATE meta SET value = max(value, ?) WHERE key = 'hlc'", (held.floor_of(node),))
+    return held
 
 
 def _clock_floor(clock: hlc.WallClock, lead: float) -> int:
@@ -414,7 +478,14 @@ def _clock_floor(clock: hlc.WallClock, lead: float) -> int:
     return clock() // 1000 + int(lead * 1_000_000) - 1 if lead > 0 else 0
 
 
-def _build_file(path: Path, node: str, clock_floor_us: int, dropped_floor: int = 0) -> None:
+def _build_file(
+    path: Path,
+    node: str,
+    clock_floor_us: int,
+    dropped: DeletionFloors = NO_DELETION,
+    history: str = own_writes.LOST,
+    born_us: int = 0,
+) -> None:
     """Make a new database file aside, in WAL mode with its schema and epoch, then link it into place.
 
     Processes that create the same database at once each build their own file and only the first link
@@ -426,12 +497,12 @@ def _build_file(path: Path, node: str, clock_floor_us: int, dropped_floor: int =
     conn = sqlite3.connect(spare, isolation_level=None)
     try:
         conn.execute("PRAGMA journal_mode = WAL").fetchone()
-        _initialize(conn, node, clock_floor_us)
-        if dropped_floor > 0:
+        _initialize(conn, node, clock_floor_us, history, born_us)
+        if dropped:
             conn.execute("BEGIN IMMEDIATE")
-            _raise_dropped_floor(conn, dropped_floor)
+            held = _raise_dropped_floor(conn, node, dropped)
             # Nothing to purge in a new file.
-            conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('dropped_purged', ?)", (dropped_floor,))
+            _set_purged(conn, held)
             conn.execute("COMMIT")
     finally:
         # Closing the only connection checkpoints the WAL into the file and removes it.
@@ -489,9 +560,11 @@ class Database:
         create: bool = False,
         synchronous: str = "NORMAL",
         clock_lead: float = 0.0,
-        dropped_floor: int = 0,
+        dropped: DeletionFloors = NO_DELETION,
+        history: str = own_writes.LOST,
     ) -> None:
-        """`dropped_floor`: the deletion floor a file created here is born with (see `drop_through`)."""
+        """`dropped`: the deletion floors a file created here is born with (see `drop_through`). `history`: what
+        this node knows of its earlier writes to it (`shared.own_writes`: new, unknown or lost)."""
         self.name = name
         self.path = path
         self._node = node
@@ -509,7 +582,7 @@ class Database:
         # Called with the database's name after every commit that changed the file (see `Store.on_commit`).
         self.on_commit: Callable[[str], None] | None = None
         if create and not path.exists():
-            _build_file(path, node, _clock_floor(clock, clock_lead), dropped_floor)
+            _build_file(path, node, _clock_floor(clock, clock_lead), dropped, history, clock() // 1000)
         try:
             self._conn = sqlite3.connect(
                 f"{path.resolve().as_uri()}?mode=rw",
@@ -695,28 +768,23 @@ class Database:
             self._set_clock(conn, version)
         return version
 
-    def never_wrote(self, table: str, claims: list[tuple[str, int]]) -> list[tuple[str, int]]:
-        """The (id, version) pairs among `claims` that this node provably never wrote: versions its audit log
-        still covers (every own write from the oldest one it keeps on is there, in version order) with no entry.
-        Scans the log, which has no index for it: only for the rare record that looks forged."""
+    def may_have_written(self, table: str, claims: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        """The (id, version) pairs among `claims` that this node may have written under its own origin; the others it
+        provably never wrote (`shared.own_writes`)."""
         check_name(table, "table")
         if not claims:
             return []
         with self._read() as conn:
-            oldest = conn.execute("SELECT min(version) FROM audit WHERE origin = ?", (self._node,)).fetchone()[0]
-            if oldest is None:
-                return []
-            ids = sorted({record_id for record_id, _ in claims})
-            wrote: set[tuple[str, int]] = set()
-            for start in range(0, len(ids), 500):
-                chunk = ids[start : start + 500]
-                marks = ",".join("?" * len(chunk))
-                rows = conn.execute(
-                    f"SELECT id, version FROM audit WHERE origin = ? AND tbl = ? AND id IN ({marks})",
-                    (self._node, table, *chunk),
-                ).fetchall()
-                wrote.update((record_id, version) for record_id, version in rows)
-        return [claim for claim in claims if claim[1] >= oldest and claim not in wrote]
+            return own_writes.may_have_written(conn, self._node, table, claims)
+
+    def wrote(self, table: str, claims: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        """The (id, version) pairs among `claims` that the audit log shows this node wrote itself."""
+        check_name(table, "table")
+        if not claims:
+            return []
+        with self._read() as conn:
+            found = own_writes.written(conn, self._node, table, [record_id for record_id, _ in claims])
+        return [claim for claim in claims if claim in found]
 
     def reassert(self, table: str, claims: list[tuple[str, int]]) -> int:
         """Write again, as this node's own and above the claimed versions, what this file holds of records a peer
@@ -762,15 +830,15 @@ class Database:
             self._set_clock(conn, version)
         return version
 
-    def _append(self, conn: sqlite3.Connection, rows: list[tuple]) -> None:
+    def _append(self, conn: sqlite3.Connection, rows: list[tuple], local: int = own_writes.LOCAL) -> None:
         """Write winning rows to the records (the last one per record, when a batch holds several) and their
-        digests, and append every one to the audit log."""
+        digests, and append every one to the audit log, as this node's own writes (`local`) or as applied."""
         final = {(row[0], row[1]): row for row in rows}
         latest = list(final.values()) if len(final) < len(rows) else rows
         conn.executemany(_UPSERT, latest)
         _add_to_digests(conn, latest)
         now = self._now()
-        conn.executemany(_APPEND, [(*row[:6], now) for row in rows])
+        conn.executemany(_APPEND, [(*row[:6], now, local) for row in rows])
         tops: dict[str, int] = {}
         for row in rows:
             origin, version = row[4], row[3]
@@ -891,13 +959,12 @@ class Database:
         """What this file holds of each origin it has heard of, its owner's own origin included."""
         with self._read() as conn:
             rows = conn.execute("SELECT origin, complete, top FROM origins").fetchall()
-            intact = not _meta(conn, "recovering")
+            own = own_writes.read(conn, self._node)
         held = {origin: Origin(complete=complete, top=top) for origin, complete, top in rows}
-        own = held.get(self._node)
-        if intact and own is not None:
-            # Every write of ours is in the file: complete up to the newest. Not the clock, which other origins'
-            # versions move: a peer holding more than our newest write shows our file went back in time.
-            held[self._node] = Origin(complete=max(own.complete, own.top), top=own.top)
+        if self._node in held:
+            # Not the clock, which other origins' versions move: a peer holding more than our newest write shows our
+            # file went back in time.
+            held[self._node] = Origin(complete=own.complete, top=own.top)
         return held
 
     def progress(self) -> dict[str, int]:
@@ -938,51 +1005,113 @@ class Database:
             ).fetchone()
         return int(row[0])
 
+    def holds_mark(self, name: str) -> bool | None:
+        """On the system database: has this node held database `name` before (see `Store.held`)? None while this
+        file is recovering: what the node held is part of what it lost."""
+        with self._read() as conn:
+            if _meta(conn, "recovering"):
+                return None
+            return _meta(conn, f"held/{name}") is not None
+
+    def set_held(self, names: list[str], held: bool) -> None:
+        """On the system database: mark (or unmark) databases as held by this node. Local to this file: never
+        replicated, never in the digests."""
+        with self._write() as conn:
+            if held:
+                conn.executemany(
+                    "INSERT OR IGNORE INTO meta (key, value) VALUES (?, 1)", [(f"held/{n}",) for n in names]
+                )
+            else:
+                conn.executemany("DELETE FROM meta WHERE key = ?", [(f"held/{n}",) for n in names])
+
+    def own_history(self) -> own_writes.OwnHistory:
+        """What this file knows of its owner's own writes (`shared.own_writes`)."""
+        with self._read() as conn:
+            return own_writes.read(conn, self._node)
+
     @property
     def own_floor(self) -> int:
         """The clock value this file began its own history at: every write of this node in the file is above
         it, everything it wrote before (into a file it lost) is at most it."""
-        with self._lock:
-            return int(_meta(self._conn, "floor") or 0)
+        return self.own_history().floor
 
     @property
     def recovering(self) -> bool:
         """True while this file may lack some of its owner's own writes (see the module docstring)."""
-        with self._lock:
-            return bool(_meta(self._conn, "recovering"))
+        return self.own_history().recovering
 
-    def regress(self, claimed: int) -> bool:
-        """A peer holds this node's own writes complete up to `claimed`, above anything this file has: the file
-        went back in time (restored from an older backup of this node). It starts recovering with its floor
-        there: the clock moves past `claimed`, so new writes are above what peers hold, and the subscriptions ask
-        for the own writes up to it. True when the floor rose (the subscriptions must ask again)."""
-        # Every inbound subscription asks; almost always the answer is no, and a read answers it without taking
-        # the write lock. The write transaction asks again, since another process may have moved first.
-        with self._read() as conn:
-            if not self._behind(conn, claimed):
-                return False
+    def regress(self, claimed: int, *, deletion: bool = False) -> bool:
+        """A peer holds this node's own writes complete up to `claimed`, above anything this file accounts for: the
+        file went back in time (restored from an older backup of this node) or lost them. It starts recovering with
+        its floor there: the clock moves past `claimed`, so new writes are above what peers hold, and the
+        subscriptions ask for the own writes up to it. True when the floor rose (the subscriptions must ask again).
+
+        The writes this file made since it began and that lie at or below `claimed` (its clock started below the
+        versions its node wrote before: a clock that stepped back, a file taken for new) are written again above
+        it, as they are (`shared.own_writes.restamp`): at their old versions peers counting this node complete past
+        them would never be sent them, and a deletion of the database from before could cover them.
+
+        `deletion`: `claimed` is a deletion's floor for this node's origin (`drop_through` asks first); it counts
+        only above this file's birth, since a file made after a deletion is born below its floors' reach."""
+        # Every subscription asks; almost always the answer is no, and a read answers it without taking the write
+        # lock. The write transaction asks again, since another process may have moved first.
+        history = self.own_history()
+        if not (history.behind_deletion(claimed) if deletion else history.behind(claimed)):
+            return False
         with self._write() as conn:
-            if not self._behind(conn, claimed):
+            if not deletion and claimed <= _read_floors(conn, "dropped_floors", "dropped_floor").floor_of(self._node):
+                return False  # what the peer holds of ours was deleted with the database: nothing to take back
+            before = own_writes.read(conn, self._node)
+            if not own_writes.regress(conn, self._node, claimed):
                 return False
-            floor = int(_meta(conn, "floor") or 0)
-            conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('recovering', 1)")
-            conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('floor', ?)", (max(floor, claimed),))
             if claimed > self._clock_value(conn):
                 self._set_clock(conn, claimed)
+            self._restamp(conn, before, claimed)
             return True
 
-    def _behind(self, conn: sqlite3.Connection, claimed: int) -> bool:
-        """Does a peer holding our own writes complete up to `claimed` hold more than this file accounts for?"""
-        if _meta(conn, "recovering"):
-            return claimed > int(_meta(conn, "floor") or 0)
-        row = conn.execute("SELECT top FROM origins WHERE origin = ?", (self._node,)).fetchone()
-        return claimed > (int(row[0]) if row is not None else 0)
+    def _earlier_life(self, conn: sqlite3.Connection, mine: list[tuple[str, str, int]]) -> None:
+        """Versions of this node's own origin that a peer sent, in an unknown file: any this file did not
+        write itself is from the node's earlier life, and its own writes since its birth that lie below it would be
+        below what peers count this node complete for, never to be sent them: they are written again above it."""
+        history = own_writes.read(conn, self._node)
+        if not history.unknown:
+            return
+        by_table: dict[str, list[tuple[str, int]]] = {}
+        for table, record_id, version in mine:
+            by_table.setdefault(table, []).append((record_id, version))
+        earlier = 0
+        for table, claims in by_table.items():
+            wrote = own_writes.written(conn, self._node, table, [record_id for record_id, _ in claims])
+            earlier = max([earlier, *(version for record_id, version in claims if (record_id, version) not in wrote)])
+        if earlier:
+            self._restamp(conn, history, earlier)
+
+    def _restamp(self, conn: sqlite3.Connection, before: own_writes.OwnHistory, claimed: int) -> int:
+        rows = own_writes.this_life(conn, self._node, before, claimed)
+        if not rows:
+            return 0
+        first = hlc.tick(max(self._clock_value(conn), claimed), self._clock, len(rows))
+        self._append(
+            conn,
+            [
+                _row(table, record_id, value, first + index, self._node, tombstone)
+                for index, (table, record_id, value, tombstone) in enumerate(rows)
+            ],
+        )
+        self._set_clock(conn, first + len(rows) - 1)
+        log.warning("own_writes_restamped", database=self.name, records=len(rows), above=claimed)
+        return len(rows)
+
+    def count_live(self) -> int:
+        """The number of live records the file holds (a table scan of the records)."""
+        with self._lock:
+            return int(self._conn.execute("SELECT count(*) FROM records WHERE tombstone = 0").fetchone()[0])
 
     def finish_recovery(self) -> int:
         """The peers have served this node's own writes back: the own origin is complete up to its newest write
         again. Returns the number of live records the file holds."""
         with self._write() as conn:
-            conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('recovering', 0)")
+            own_writes.finish(conn)
             return int(conn.execute("SELECT count(*) FROM records WHERE tombstone = 0").fetchone()[0])
 
     # -- applying (subscriber side) --------------------------------------------------------------------
@@ -1004,6 +1133,9 @@ class Database:
         with self._write() as conn:
             won = self._apply(conn, entries)
             conn.executemany(_RAISE_COMPLETE, marks.items())
+            mine = [(entry.table, entry.id, entry.version) for entry in entries if entry.origin == self._node]
+            if mine:
+                self._earlier_life(conn, mine)
             # A peer holding versions of ours above our clock (a file restored from an old backup) moves the
             # clock past them, so our next writes are above what that peer counts complete.
             top = max(marks.values(), default=0)
@@ -1014,11 +1146,11 @@ class Database:
     def _apply(self, conn: sqlite3.Connection, entries: list[Entry]) -> int:
         if not entries:
             return 0
-        floor = int(_meta(conn, "dropped_floor") or 0)
-        if floor:
+        floors = _read_floors(conn, "dropped_floors", "dropped_floor")
+        if floors:
             # What a deletion of the database covers is gone on every node and never comes back: a peer that has
             # not applied the deletion yet still serves it, and it does not win here.
-            entries = [entry for entry in entries if entry.version > floor]
+            entries = [entry for entry in entries if not floors.covers(entry.origin, entry.version)]
             if not entries:
                 return 0
         held = self._lookup(conn, entries)
@@ -1039,7 +1171,7 @@ class Database:
             held[key] = candidate
             rows.append(row)
         if rows:
-            self._append(conn, rows)
+            self._append(conn, rows, own_writes.APPLIED)
         top = max(entry.version for entry in entries)
         last = self._clock_value(conn)
         if top > last:
@@ -1092,16 +1224,16 @@ class Database:
     # -- deletion of the whole database (DELETE /databases/{name}) -------------------------------------------
 
     @property
-    def dropped_floor(self) -> int:
-        """The version the database was last deleted at cluster-wide (0: never): nothing at or below it is applied."""
+    def dropped_floor(self) -> DeletionFloors:
+        """What cluster-wide deletions of the database cover: nothing they cover is applied."""
         with self._lock:
-            return int(_meta(self._conn, "dropped_floor") or 0)
+            return _read_floors(self._conn, "dropped_floors", "dropped_floor")
 
     @property
-    def dropped_purged(self) -> int:
-        """The deletion floor this file has been purged through: it holds no record at or below it."""
+    def dropped_purged(self) -> DeletionFloors:
+        """The deletion floors this file has been purged through: it holds nothing they cover."""
         with self._lock:
-            return int(_meta(self._conn, "dropped_purged") or 0)
+            return _read_floors(self._conn, "dropped_purged_floors", "dropped_purged")
 
     @property
     def clock_version(self) -> int:
@@ -1123,46 +1255,52 @@ class Database:
             self._set_clock(conn, version)
         return version
 
-    def drop_through(self, floor: int, chunk: int = _PRUNE_CHUNK) -> int:
-        """The database was deleted cluster-wide at version `floor`: every record and audit entry at or below it
-        goes, for good. Returns how many records (tombstones included) went.
+    def drop_through(self, floors: DeletionFloors, chunk: int = _PRUNE_CHUNK) -> int:
+        """The database was deleted cluster-wide: every record and audit entry the floors cover goes, for good.
+        Returns how many records (tombstones included) went.
 
-        One transaction stores the floor first: from then on `apply_batch` ignores what it covers, and the clock
-        stands at it, so every later local write is above it. The records and the audit log are then walked in
-        chunks, each its own transaction as in pruning, so a large database does not hold the write lock past the
-        other processes' busy timeout; since nothing at or below the floor can be written any more, one walk finds
-        all of it. The file notes the floor as purged only at the end of the walk: a walk cut short (a crash) is
-        made again. The bucket digests follow each deletion (trigger), so they equal those of a file that only
-        ever held the survivors.
+        One transaction stores the floors first: from then on `apply_batch` ignores what they cover, and the clock
+        stands past this node's own floor, so every later local write is above it. The records and the audit log
+        are then walked in chunks, each its own transaction as in pruning, so a large database does not hold the
+        write lock past the other processes' busy timeout; since nothing the floors cover can be written any more,
+        one walk finds all of it. The file notes the floors as purged only at the end of the walk: a walk cut short
+        (a crash) is made again. The bucket digests follow each deletion (trigger), so they equal those of a file
+        that only ever held the survivors.
         """
-        if not 0 < floor <= hlc.MAX_VERSION:
-            raise BadRecord(f"deletion floor {floor} is out of range")
+        for origin, floor in floors.origins.items():
+            check_name(origin, "origin")
+            if not 0 <= floor <= hlc.MAX_VERSION:
+                raise BadRecord(f"deletion floor {floor} of origin {origin!r} is out of range")
+        if not 0 <= floors.every <= hlc.MAX_VERSION:
+            raise BadRecord(f"deletion floor {floors.every} is out of range")
         with self._write() as conn:
-            _raise_dropped_floor(conn, floor)
-            floor = int(_meta(conn, "dropped_floor") or floor)
+            floors = _raise_dropped_floor(conn, self._node, floors)
         removed = 0
         after = 0
         while True:
             with self._write() as conn:
                 rows = conn.execute(
-                    "SELECT rowid, version FROM records WHERE rowid > ? ORDER BY rowid LIMIT ?", (after, chunk)
+                    "SELECT rowid, version, origin FROM records WHERE rowid > ? ORDER BY rowid LIMIT ?", (after, chunk)
                 ).fetchall()
-                dead = [(rowid,) for rowid, version in rows if version <= floor]
+                dead = [(rowid,) for rowid, version, origin in rows if floors.covers(origin, version)]
                 conn.executemany("DELETE FROM records WHERE rowid = ?", dead)
             removed += len(dead)
             if len(rows) < chunk:
                 break
             after = rows[-1][0]
-        with self._read() as conn:
-            low, high = conn.execute("SELECT min(seq), max(seq) FROM audit").fetchone()
-        while low is not None and low <= high:
-            top = low + chunk - 1
+        after = 0
+        while True:
             with self._write() as conn:
-                conn.execute("DELETE FROM audit WHERE seq >= ? AND seq <= ? AND version <= ?", (low, top, floor))
-            low = top + 1
+                rows = conn.execute(
+                    "SELECT seq, version, origin FROM audit WHERE seq > ? ORDER BY seq LIMIT ?", (after, chunk)
+                ).fetchall()
+                dead = [(seq,) for seq, version, origin in rows if floors.covers(origin, version)]
+                conn.executemany("DELETE FROM audit WHERE seq = ?", dead)
+            if len(rows) < chunk:
+                break
+            after = rows[-1][0]
         with self._write() as conn:
-            purged = max(int(_meta(conn, "dropped_purged") or 0), floor)
-            conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('dropped_purged', ?)", (purged,))
+            _set_purged(conn, _read_floors(conn, "dropped_purged_floors", "dropped_purged").merge(floors))
         return removed
 
     def is_empty(self) -> bool:
@@ -1313,16 +1451,24 @@ class Database:
             self._damaged(damaged)
         return entries, [row[1] for row in damaged]
 
-    def drop_damaged(self, table: str, ids: list[str]) -> int:
-        """Remove the rows of `ids` that are still marked damaged (a peer holds no healthy copy to repair them
-        with); returns how many went. No audit entry: nothing was written, a row nobody can vouch for left."""
+    def purged(self) -> dict[str, int]:
+        """How far each origin's tombstones have been purged here (`purge_tombstones`): every holder had them."""
+        with self._lock:
+            rows = self._conn.execute("SELECT origin, scanned FROM purged").fetchall()
+        return {origin: int(scanned) for origin, scanned in rows if scanned > 0}
+
+    def drop_superseded(self, table: str, rows: list[tuple[str, int, str]]) -> int:
+        """Remove the rows of `rows` (id, version, origin) that this file still holds at exactly that version and
+        origin: a peer showed they were superseded by a deletion it has since purged (`workers.antientropy`). A
+        row that moved on since (a newer version arrived) stays. No audit entry, as in a purge; returns how many
+        went."""
         with self._write() as conn:
             return sum(
                 conn.execute(
-                    "DELETE FROM records WHERE tbl = ? AND id = ? AND (checksum IS NULL OR checksum = ?)",
-                    (table, record_id, DAMAGED),
+                    "DELETE FROM records WHERE tbl = ? AND id = ? AND version = ? AND origin = ?",
+                    (table, record_id, version, origin),
                 ).rowcount
-                for record_id in ids
+                for record_id, version, origin in rows
             )
 
     def scrub(self, after: int, limit: int) -> tuple[int | None, list[DamagedRecord]]:
@@ -1379,9 +1525,13 @@ class Store:
         *,
         synchronous: str = "NORMAL",
         clock_lead: float = 0.0,
+        holdings: bool = False,
     ) -> None:
-        """`clock_lead`: how far ahead of the wall clock a recovering file's clock starts (max_clock_skew)."""
+        """`clock_lead`: how far ahead of the wall clock a recovering file's clock starts (max_clock_skew).
+        `holdings`: the system database remembers which databases this node has held (`held`), so that a new file
+        of a name never held starts with no history to recover; without it every new file is taken as lost."""
         self.data_dir = Path(data_dir)
+        self._holdings = holdings
         self.node = check_name(node_name, "node")
         self._clock = clock
         self._synchronous = synchronous
@@ -1398,11 +1548,21 @@ class Store:
 
     def database(self, name: str, create: bool = False) -> Database:
         """The database `name`, opened once per Store; UnknownDatabase if it has no file, unless `create`;
-        DatabaseRemoving while it is blocked. A database created here after a deletion is born with its floor."""
+        DatabaseRemoving while it is blocked. A database created here after a deletion is born with its floor, and
+        one this node never held (see `held`) with no history to recover."""
         path = self.path(name)
-        floor = 0
-        if create and name != SYSTEM and name not in self._databases and not path.exists():
-            floor = self.dropped_floor(name)  # outside the lock: it opens the system database
+        floor = NO_DELETION
+        history = own_writes.LOST
+        creating = create and name not in self._databases and not path.exists()
+        if creating and name == SYSTEM:
+            # Nothing to ask: it is the file that would know. With `holdings` its history is unknown until peers
+            # have served it (`shared.own_writes`).
+            history = own_writes.UNKNOWN if self._holdings else own_writes.LOST
+        elif creating:
+            # Outside the lock: both open the system database.
+            floor = self.dropped_floor(name)
+            held = self.held(name)
+            history = own_writes.LOST if held else own_writes.UNKNOWN if held is None else own_writes.NEW
         with self._lock:
             if name in self._blocked:
                 raise DatabaseRemoving(name)
@@ -1421,11 +1581,38 @@ class Store:
                 create=create,
                 synchronous=self._synchronous,
                 clock_lead=self._clock_lead,
-                dropped_floor=floor,
+                dropped=floor,
+                history=history,
             )
             db.on_commit = self._committed
             self._databases[name] = db
-            return db
+        if creating and name != SYSTEM:
+            self.note_held([name])
+        return db
+
+    # -- what this node has held (meta `held/<name>` of the system database, never replicated) ------------------
+
+    def held(self, name: str) -> bool | None:
+        """Has this node held `name` before: is a new file of it a lost one? True without `holdings` (every new file
+        is taken as lost) and for the system database; else what the system database remembers: a database is
+        marked when a file of it is made or found here, and unmarked only when a cluster-wide deletion removes it
+        (`remove`). None while the system database is itself recovering: not known (a new file's history is then
+        unknown, `shared.own_writes`)."""
+        if not self._holdings or name == SYSTEM:
+            return True
+        try:
+            system = self.database(SYSTEM)
+        except UnknownDatabase:
+            return None
+        return system.holds_mark(name)
+
+    def note_held(self, names: Iterable[str]) -> None:
+        """Mark databases as held by this node (`held`)."""
+        if not self._holdings:
+            return
+        wanted = [name for name in names if name != SYSTEM]
+        if wanted:
+            self.database(SYSTEM, create=True).set_held(wanted, True)
 
     def _committed(self, name: str) -> None:
         if self.on_commit is not None:
@@ -1499,16 +1686,20 @@ class Store:
 
     # -- deleted databases ---------------------------------------------------------------------------------------
 
-    def dropped_floor(self, name: str) -> int:
-        """The version `name` was last deleted at cluster-wide (its marker in the system table `dropped`), 0 if
-        never. A damaged marker reads as none until anti-entropy repairs it."""
+    def dropped_floor(self, name: str) -> DeletionFloors:
+        """What the cluster-wide deletions of `name` cover (its markers in the system table `dropped`, see
+        `shared.dropped`); nothing if it was never deleted. A damaged marker reads as none until anti-entropy
+        repairs it."""
         if name == SYSTEM:
-            return 0
+            return NO_DELETION
         try:
-            entry = self.database(SYSTEM).get(DROPPED, name)
-        except (UnknownDatabase, DamagedRecord):
-            return 0
-        return entry.version if entry is not None else 0
+            system = self.database(SYSTEM)
+        except UnknownDatabase:
+            return NO_DELETION
+        # The markers are `shared.dropped`'s, which builds on this module: imported here, not at the top.
+        from replicator.shared import dropped
+
+        return dropped.floors(system).get(name, NO_DELETION)
 
     def block(self, name: str) -> None:
         """Refuse to open or create `name` in this process (DatabaseRemoving) until `unblock`: its file is being
@@ -1553,6 +1744,10 @@ class Store:
             Path(f"{path}{suffix}").unlink(missing_ok=True)
         # Its blob files went with its records (content-addressed, so nothing else refers to them).
         shutil.rmtree(path.with_name(f"{name}{blobs.SUFFIX}"), ignore_errors=True)
+        if self._holdings:
+            # Deleted cluster-wide and gone from here: whatever this node wrote to it is covered by the deletion, so a
+            # file of the name made later has no history to recover.
+            self.database(SYSTEM, create=True).set_held([name], False)
         return True
 
     def __enter__(self) -> Store:

@@ -7,14 +7,18 @@ maximum message size caps it (`replication.max_frame_bytes`). One session replic
         Hello(node, protocol, wall) -------->
                                            <-- Hello(node, protocol, wall)
         Subscribe(database, progress, exclude) ->
-                                           <-- Schema(database, epoch, head_seq)
+                                           <-- Schema(database, epoch, head_seq, yours, purged)
                                            <-- Batch(entries, marks, head_seq, caught_up) ...
         Ack(seq) -------------------------->
+        Holds(progress) ------------------>         (now and then: what the subscriber holds)
+                                           <-- Heads(complete)   (now and then: what the sender could serve)
 
 Replication is by origin. `progress` says, per origin, up to which version the subscriber holds everything;
 the sender serves every origin not in `exclude` from there, in version order per origin, and each Batch's
 `marks` raise those versions in the subscriber's apply transaction. A first sync is the same stream from 0,
 so it resumes wherever it stopped. `wall` is each end's wall clock, so both see the offset before data moves.
+`Heads` lets the subscriber see that the sender is ahead of it, whatever the sender's stream is doing: a pair whose
+peer is ahead and whose position does not move is stalled (invariant 21).
 
 Close codes: 1000 normal, 1001 going away (shutdown), 1002 malformed frame, 1003 unknown message type,
 1008 refused (authentication or policy), 1009 frame too large, 1011 internal error,
@@ -29,7 +33,7 @@ import msgspec
 
 SUBPROTOCOL = "replicator.v1"
 PROTOCOL_VERSION = 2
-CAPABILITIES = ["origins", "exclude", "holds"]
+CAPABILITIES = ["origins", "exclude", "holds", "heads"]
 
 CLOSE_NORMAL = 1000
 CLOSE_GOING_AWAY = 1001
@@ -89,6 +93,12 @@ class Schema(msgspec.Struct, tag="schema", kw_only=True):
     # Records the sender will serve before it is caught up, counted when the session starts (at most
     # BACKLOG_COUNT_CAP): the subscriber's copy progress and time left.
     backlog: Count = 0
+    # What the sender holds complete of the subscriber's own origin: above what the subscriber's file accounts for,
+    # the subscriber's file went back in time or lost its own writes (`shared.own_writes`).
+    yours: Count = 0
+    # By origin, how far the sender has purged tombstones: a subscriber whose progress for one is below it may hold
+    # records whose deletions it will never be sent, and reconciles with anti-entropy at once.
+    purged: dict[str, Count] = {}
 
 
 class Batch(msgspec.Struct, tag="batch", kw_only=True):
@@ -110,7 +120,15 @@ class Holds(msgspec.Struct, tag="holds", kw_only=True):
     progress: dict[str, Count]
 
 
-Message = Hello | Subscribe | Schema | Batch | Ack | Holds
+class Heads(msgspec.Struct, tag="heads", kw_only=True):
+    """Sender -> subscriber, when it changes and at most every few seconds (capability "heads"): per origin this
+    session serves, the mark the sender could give the subscriber now (what it holds complete, within the
+    subscription's limits). An origin whose stream waits at a damaged record is left out: it is held back on purpose."""
+
+    complete: dict[str, Count]
+
+
+Message = Hello | Subscribe | Schema | Batch | Ack | Holds | Heads
 
 _validate = msgspec.msgpack.Decoder().decode
 

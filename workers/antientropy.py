@@ -9,14 +9,22 @@ request is one msgpack `Query` and each answer one msgpack reply:
     Children(database, table, level, nodes)  -> ChildrenReply: the 16 child digests of each node
     Rows(database, table, level, nodes)      -> RowsReply: (id, version, origin, tombstone, checksum) under them
     Fetch(database, table, ids)              -> FetchReply: those records, intact ones only
+    State(database)                          -> StateReply: what the peer holds complete and has purged, by origin
 
 The puller compares each table's root, asks for the children of every node that differs, level by level (see
 `shared.digests` for the tree), and settles a node by exchanging its rows once it holds at most `LEAF_ROWS` on
 either side. For each differing row it pulls the peer's version when that one wins last-writer-wins (or when the
 local row is damaged), and applies it like a replicated batch: one transaction, an audit entry, last-writer-wins.
-A local row that is damaged and that the peer holds no healthy copy of is removed, so a row nobody can vouch for
-does not stay forever; a healthy copy elsewhere comes back in the round with that peer. Rows the peer lacks are
-left alone: the peer pulls them in its own round.
+
+A row one side holds and the other lacks is judged from the lacking side's `State` (invariant 20): a side that is
+complete for the row's origin past its version held the row or something newer of its record; if it has purged
+tombstones past it too, what it held was a deletion it has since purged. Then the row is gone for good: the
+holding side removes it (a tombstone it missed the purge of, or a record whose deletion it missed, as after a
+restore from an old backup or a return after tombstone_retention), and the lacking side does not pull it back.
+Otherwise the lacking side pulls it in its own round. A damaged row waits for a healthy copy; it is removed only
+when a peer shows it was purged. A round also takes the peer's purge as its own: each origin's tombstones are
+purged here up to where the peer purged them (as far as this node holds the origin complete). So purges spread
+from the nodes that can decide them to every other holder, in any topology, and the digests meet again.
 
 Both ends verify every row they compare or serve against its checksum, so a damaged value never travels. Repairs
 are paced at `replication.antientropy_rate` records per second, and the database work is cut into small steps
@@ -50,6 +58,7 @@ MAX_ROWS = 4096  # expected rows per Rows request
 FETCH_CHUNK = 128  # records per Fetch request (and per apply transaction)
 MAX_IDS = 1024  # ids a peer may ask for in one Fetch
 MAX_QUERY_BYTES = 1024 * 1024
+MAX_ORIGINS = 1024  # origins a State answer may name (as many as a subscription may)
 
 
 # -- the wire ------------------------------------------------------------------------------------------------
@@ -79,7 +88,11 @@ class Fetch(msgspec.Struct, tag="fetch", kw_only=True):
     ids: list[str]
 
 
-Query = Roots | Children | Rows | Fetch
+class State(msgspec.Struct, tag="state", kw_only=True):
+    database: str
+
+
+Query = Roots | Children | Rows | Fetch | State
 
 
 class RootsReply(msgspec.Struct, kw_only=True):
@@ -100,7 +113,12 @@ class FetchReply(msgspec.Struct, kw_only=True):
     damaged: list[str] = []
 
 
-Reply = RootsReply | ChildrenReply | RowsReply | FetchReply
+class StateReply(msgspec.Struct, kw_only=True):
+    complete: dict[str, wire.Count]  # by origin: every version up to it is held (or superseded)
+    purged: dict[str, wire.Count] = {}  # by origin: its tombstones up to it were purged (every holder had them)
+
+
+Reply = RootsReply | ChildrenReply | RowsReply | FetchReply | StateReply
 
 _encode = msgspec.msgpack.Encoder().encode
 _query_decoder = msgspec.msgpack.Decoder(Query)
@@ -152,6 +170,8 @@ def answer(db: Database, query: Query) -> Reply:
         case Fetch(table=table, ids=ids):
             entries, damaged = db.fetch(table, ids)
             return FetchReply(entries=entries, damaged=damaged)
+        case State():
+            return StateReply(complete=db.progress(), purged=db.purged())
     raise BadQuery(f"unknown query {type(query).__name__}")
 
 
@@ -204,7 +224,6 @@ class Round:
         *,
         rate: float,
         ceiling: Callable[[], int] = lambda: MAX_VERSION,
-        horizon: Callable[[], int] = lambda: 0,
         ca: revocation.CA | None = None,
         verifier: membership.Verifier | None = None,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
@@ -212,14 +231,13 @@ class Round:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`rate`: records repaired per second at most. `ceiling()`: the highest version this node accepts now
-        (its wall clock plus max_clock_skew); a peer's record above it is not pulled. `horizon()`: the newest
-        version of a tombstone old enough to be purged (the wall clock minus tombstone_retention): one of those
-        that this node lacks is as good as absent, so it is not pulled back after a purge."""
+        (its wall clock plus max_clock_skew); a peer's record above it is not pulled."""
         self._db = db
         self._transport = transport
         self._rate = rate
         self._ceiling = ceiling
-        self._horizon = horizon
+        self._peer_state: Holder | None = None  # asked once, when the first table differs
+        self._peer_state_asked = False
         self._ca = ca  # verifies the revocations a peer serves for the system database
         self._verifier = verifier if verifier is not None else membership.Verifier(ca)  # and its registry rows
         self._sleep = sleep
@@ -296,6 +314,38 @@ class Round:
             for start in range(0, len(nodes), step):
                 await self._settle(table, leaf_level, nodes[start : start + step])
 
+    async def _holder_state(self) -> Holder | None:
+        """What the peer holds complete and has purged (asked once per round); None from a peer that does not
+        answer `State` (an older version): then no row is judged purged, and none is removed or left unpulled."""
+        if not self._peer_state_asked:
+            self._peer_state_asked = True
+            try:
+                reply = await self._ask(State(database=self._db.name), StateReply)
+            except PeerError as exc:
+                log.debug("antientropy_state_unanswered", database=self._db.name, error=str(exc)[:200])
+            else:
+                if len(reply.complete) > MAX_ORIGINS or len(reply.purged) > MAX_ORIGINS:
+                    raise PeerError(f"the peer's state names more than {MAX_ORIGINS} origins")
+                self._peer_state = Holder(reply.complete, reply.purged)
+                await self._adopt_purges(self._peer_state)
+        return self._peer_state
+
+    async def _adopt_purges(self, peer: Holder) -> None:
+        """The peer purged each origin's tombstones up to its `purged` version, having found every holder had them:
+        this node purges its own up to there too (as far as it holds the origin complete), so a purge decided where
+        every holder is heard spreads to every node, and this node stops pulling back what the peer no longer has."""
+        held = self._db.progress()
+        ours = self._db.purged()
+        levels = {
+            origin: min(level, held.get(origin, 0))
+            for origin, level in peer.purged.items()
+            if NAME_RE.match(origin) and min(level, held.get(origin, 0)) > ours.get(origin, 0)
+        }
+        if levels:
+            removed = self._db.purge_tombstones(levels, max(levels.values()))
+            self.result.repaired += removed
+            await self._pace(removed)
+
     async def _settle(self, table: str, level: int, nodes: list[int]) -> None:
         """Compare the rows under `nodes` and repair this side."""
         reply = await self._ask(Rows(database=self._db.name, table=table, level=level, nodes=nodes), RowsReply)
@@ -306,54 +356,77 @@ class Round:
             record_id: (version, origin, tombstone, stored)
             for record_id, version, origin, tombstone, stored in self._db.summaries(table, level, nodes)
         }
+        peer = await self._holder_state()
+        here = Holder(self._db.progress(), self._db.purged())
         pull: list[str] = []
-        drop: list[str] = []
-        forged: list[tuple[str, int]] = []
-        altered: set[tuple[str, int]] = set()
-        horizon = self._horizon()
+        gone: list[tuple[str, int, str]] = []  # rows of ours the peer shows were deleted and purged
+        claims: list[tuple[str, int, str]] = []  # (id, version, kind): a peer's row under our origin to judge
         for record_id in sorted(theirs.keys() | ours.keys()):
             their_row = theirs.get(record_id)
             our_row = ours.get(record_id)
             if their_row == our_row:
                 continue
-            if our_row is None and their_row is not None and their_row[2] and their_row[0] <= horizon:
-                continue  # a tombstone this node purged (or may purge): absent is the same state
+            if their_row is None:
+                assert our_row is not None
+                # A damaged row is garbage once the peer, which held it or something newer, holds nothing of it.
+                damaged_and_unheld = our_row[3] is None and peer is not None and peer.held(our_row)
+                if peer is not None and (peer.purged_it(our_row) or damaged_and_unheld):
+                    gone.append((record_id, our_row[0], our_row[1]))
+                    self.result.divergent.add((table, digests.bucket_of(record_id)))
+                continue  # otherwise the peer pulls it in its own round (a damaged one waits for a healthy copy)
+            if our_row is None and here.purged_it(their_row):
+                continue  # deleted here and purged: the peer removes it in its own round
             self.result.divergent.add((table, digests.bucket_of(record_id)))
-            our_healthy = our_row is not None and our_row[3] is not None
-            claim = self._claim(their_row, our_row) if their_row is not None else None
-            if claim is not None:
-                forged.append((record_id, their_row[0]))
-                if claim == "altered":
-                    altered.add((record_id, their_row[0]))
-                continue
-            if their_row is not None and their_row[3] is not None:
-                if not our_healthy or _wins(their_row, our_row):
-                    pull.append(record_id)
-            elif our_row is not None and not our_healthy:
-                drop.append(record_id)
+            kind = self._claim(their_row, our_row)
+            if kind is not None:
+                claims.append((record_id, their_row[0], kind))
+            elif their_row[3] is not None and self._takes(their_row, our_row, peer, here):
+                pull.append(record_id)
+        forged: list[tuple[str, int]] = []
+        if claims:
+            proven = self._forged(table, claims)
+            for record_id, version, _ in claims:
+                if (record_id, version) in proven:
+                    forged.append((record_id, version))
+                elif _wins(theirs[record_id], ours.get(record_id)):
+                    pull.append(record_id)  # ours may be an older version the file took after losing the newer
         for start in range(0, len(pull), FETCH_CHUNK):
-            await self._pull(table, pull[start : start + FETCH_CHUNK], drop)
-        if forged:
-            # A row of ours that is older than the peer's copy may also mean our file lost the newer one and took
-            # an older version from another peer: only our audit log tells, so it is asked; what it cannot
-            # disprove is pulled like any other difference.
-            proven = {claim for claim in forged if claim in altered}
-            proven.update(self._db.never_wrote(table, [claim for claim in forged if claim not in altered]))
-            unproven = [record_id for record_id, version in forged if (record_id, version) not in proven]
-            for start in range(0, len(unproven), FETCH_CHUNK):
-                await self._pull(table, unproven[start : start + FETCH_CHUNK], drop)
-            forged = [claim for claim in forged if claim in proven]
+            await self._pull(table, pull[start : start + FETCH_CHUNK])
         if forged:
             self.result.foreign += len(forged)
             written = self._db.reassert(table, forged)
             self.result.reasserted += written
             await self._pace(written)
-        if drop:
-            removed = self._db.drop_damaged(table, drop)
+        if gone:
+            removed = self._db.drop_superseded(table, gone)
             self.result.repaired += removed
             await self._pace(removed)
 
-    async def _pull(self, table: str, ids: list[str], drop: list[str]) -> None:
+    def _takes(self, theirs: Summary, ours: Summary | None, peer: Holder | None, here: Holder) -> bool:
+        """Does the peer's healthy row replace ours: ours is absent, or theirs wins last-writer-wins? A damaged row
+        of ours says nothing it can be trusted for (the damage may have changed its version or origin too), so an
+        older-looking copy replaces it only from a peer that has seen everything this node has (complete, for every
+        origin, at least as far): a peer lagging behind would otherwise put back a version older than the one this
+        node's positions promise, a delete undone among them. It waits for such a peer."""
+        if ours is None or _wins(theirs, ours):
+            return True
+        if ours[3] is not None or peer is None:
+            return False
+        return all(peer.complete.get(origin, 0) >= mark for origin, mark in here.complete.items())
+
+    def _forged(self, table: str, claims: list[tuple[str, int, str]]) -> set[tuple[str, int]]:
+        """The claims (a peer's row under this node's origin) that this node provably never wrote, as its own
+        history tells (`shared.own_writes`): an "altered" row (ours at the very version holds other content) when
+        the audit log shows ours is what this node wrote at that version; a "newer" one when this node cannot have
+        written that version."""
+        altered = [(record_id, version) for record_id, version, kind in claims if kind == "altered"]
+        newer = [(record_id, version) for record_id, version, kind in claims if kind == "newer"]
+        proven = set(self._db.wrote(table, altered))
+        possible = set(self._db.may_have_written(table, newer))
+        proven.update(claim for claim in newer if claim not in possible)
+        return proven
+
+    async def _pull(self, table: str, ids: list[str]) -> None:
         reply = await self._ask(Fetch(database=self._db.name, table=table, ids=ids), FetchReply)
         wanted = set(ids)
         ceiling = self._ceiling()
@@ -374,8 +447,6 @@ class Round:
                 sample_by=("database",),
             )
             entries = [entry for entry in entries if entry not in refused]
-        # A row the peer found damaged when it came to serve it: if ours is damaged too, nobody vouches for it.
-        drop.extend(record_id for record_id in reply.damaged if record_id in wanted)
         if self._blobs is not None:
             await self._blobs(entries)  # a record is applied only once its blob is safe here
         try:
@@ -394,28 +465,47 @@ class Round:
         return found
 
     def _claim(self, theirs: Summary, ours: Summary | None) -> str | None:
-        """Does the peer hold, under this node's origin, a version of a record that this node may never have written?
-        "altered": our own row at that very version has other content (certainly forged); "newer": our row is
-        healthy and older (forged unless our file lost the newer write, which `never_wrote` settles); None.
-
-        A record this node does not hold at all proves nothing (its file may have lost it: anti-entropy brings it
-        back), and neither does a file that is recovering, for the versions below its floor."""
-        db = self._db
-        if theirs[1] != db.node or theirs[3] is None or ours is None or ours[3] is None:
-            return None  # not ours; or damaged there (the peer repairs it from us) or here (we repair it)
+        """Does the peer hold, under this node's origin, a version of a record that this node may never have
+        written? "altered": our own row at that very version has other content; "newer": our row is healthy and
+        older; None: nothing to judge. `_forged` decides. A record this node does not hold at all proves nothing
+        (its file may have lost it: anti-entropy brings it back), and neither does a damaged row on either side."""
+        if theirs[1] != self._db.node or theirs[3] is None or ours is None or ours[3] is None:
+            return None
         if ours[0] == theirs[0] and ours[1] == theirs[1] and ours[3] != theirs[3]:
-            kind = "altered"
-        elif ours[0] < theirs[0]:
-            kind = "newer"
-        else:
-            return None
-        if db.recovering and theirs[0] <= db.own_floor:
-            return None
-        return kind
+            return "altered"
+        if ours[0] < theirs[0]:
+            return "newer"
+        return None
 
     async def _pace(self, records: int) -> None:
         if records and self._rate > 0:
             await self._sleep(records / self._rate)
+
+
+class Holder:
+    """What one side of a round holds complete and has purged, by origin (`StateReply`)."""
+
+    def __init__(self, complete: dict[str, int], purged: dict[str, int]) -> None:
+        self.complete = complete
+        self.purged = purged
+        self._purged_most = max(purged.values(), default=0)
+
+    def held(self, row: Summary) -> bool:
+        """Is this side complete for the row's origin past its version: it held the row or something newer of its
+        record?"""
+        return row[0] <= self.complete.get(row[1], 0)
+
+    def purged_it(self, row: Summary) -> bool:
+        """This side lacks `row`: was it deleted here and the deletion purged? Being complete for the row's origin
+        past its version, this side held the row or something newer of its record; having purged past it
+        (tombstones of the row's own origin for a tombstone, of any origin for a record: the deletion that
+        superseded it came later), what it held was a purged deletion."""
+        version, origin, tombstone = row[0], row[1], row[2]
+        if not self.held(row):
+            return False
+        if tombstone:
+            return version <= self.purged.get(origin, 0)
+        return version < self._purged_most
 
 
 def _wins(theirs: Summary, ours: Summary | None) -> bool:

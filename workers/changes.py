@@ -65,8 +65,11 @@ class ChangeFeed:
             if timeout is None:
                 await changed.wait()
             else:
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancellation that lands as the
+                # feed is woken, and the waiter (a session's holds or heads task) would never end.
                 try:
-                    await asyncio.wait_for(changed.wait(), timeout)
+                    async with asyncio.timeout(timeout):
+                        await changed.wait()
                 except TimeoutError:
                     pass
         finally:

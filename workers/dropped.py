@@ -3,47 +3,46 @@
 The peer may not have applied the deletion yet (it was down, or cut off): it still serves the records the deletion
 covers, which this node ignores. Creating the file for them would only see it removed again, and again for as long as
 the peer keeps advertising the database; so nothing is created here until the peer sends a record written after
-the deletion (above the floor). From then on the database simply exists again, born with its floor (`Store.database`).
+the deletion (one its floors do not cover). From then on the database simply exists again, born with its floors
+(`Store.database`).
 """
 
 from __future__ import annotations
 
-from replicator.shared import wire
-from replicator.shared.store import Database, DatabaseRemoving
+from replicator.shared import own_writes, wire
+from replicator.shared.store import Database, DatabaseRemoving, DeletionFloors
 from replicator.shared.wire import Entry
 from replicator.workers.context import SYSTEM, WorkerContext
 
 
 class DroppedDatabase:
-    """Stands in for the database a subscription applies to, until a record above the deletion floor arrives."""
+    """Stands in for the database a subscription applies to, until a record the deletion does not cover arrives."""
 
-    def __init__(self, ctx: WorkerContext, name: str, floor: int) -> None:
+    def __init__(self, ctx: WorkerContext, name: str, floors: DeletionFloors) -> None:
         self._ctx = ctx
         self.name = name
-        self.floor = floor
+        self.floors = floors
         self._db: Database | None = None
 
     @property
     def created(self) -> bool:
         return self._db is not None
 
-    @property
-    def recovering(self) -> bool:
-        return False  # nothing of this node's own writes is asked back: the deletion covers them
-
-    @property
-    def own_floor(self) -> int:
-        return 0
+    def own_history(self) -> own_writes.OwnHistory:
+        """Nothing of this node's own writes is asked back: the deletion covers them."""
+        if self._db is not None:
+            return self._db.own_history()
+        return own_writes.OwnHistory(floor=0, recovering=False, top=0, confirmed=0)
 
     def progress(self) -> dict[str, int]:
         """Where the subscription resumes each origin: nothing is held until the file exists."""
         return self._db.progress() if self._db is not None else {}
 
     def apply_batch(self, entries: list[Entry], marks: dict[str, int] | None = None) -> int:
-        """Apply a peer's batch; until a record above the floor comes, it is all covered by the deletion, and the
-        marks (what the peer holds complete) are worth nothing here without a file to keep them in."""
+        """Apply a peer's batch; until a record the floors do not cover comes, it is all covered by the deletion, and
+        the marks (what the peer holds complete) are worth nothing here without a file to keep them in."""
         if self._db is None:
-            if all(entry.version <= self.floor for entry in entries):
+            if all(self.floors.covers(entry.origin, entry.version) for entry in entries):
                 return 0
             try:
                 self._db = self._ctx.database(self.name, create=True)

@@ -57,7 +57,10 @@ class Metered:
 
 async def receive(ws: Any, timeout: float | None = None) -> wire.Message:
     try:
-        msg = await asyncio.wait_for(ws.receive(), timeout)
+        # asyncio.timeout, never wait_for, anywhere a task may be cancelled: on Python 3.11 wait_for drops a
+        # cancellation that lands as what it waits for completes, and the task runs on (a session that never ends).
+        async with asyncio.timeout(timeout):
+            msg = await ws.receive()
     except TimeoutError:
         raise wire.PeerClosed(f"no frame from the peer in {timeout:g} s", wire.CLOSE_GOING_AWAY) from None
     if msg.type == WSMsgType.BINARY:
@@ -96,6 +99,7 @@ async def close(ws: Any, code: int, reason: str) -> None:
     if ws.closed:
         return
     try:
-        await asyncio.wait_for(ws.close(code=code, message=wire.close_reason(reason).encode()), 5.0)
+        async with asyncio.timeout(5.0):  # not wait_for: see receive
+            await ws.close(code=code, message=wire.close_reason(reason).encode())
     except (TimeoutError, ConnectionError, RuntimeError):
         pass

@@ -183,7 +183,8 @@ class Worker:
     async def _drain_pipe(self) -> None:
         if self._writer is not None:
             with contextlib.suppress(ConnectionError, TimeoutError):
-                await asyncio.wait_for(self._writer.drain(), 2.0)
+                async with asyncio.timeout(2.0):  # not wait_for: see workers.frames.receive
+                    await self._writer.drain()
 
     async def _read_pipe(self, reader: asyncio.StreamReader) -> None:
         try:
@@ -241,7 +242,7 @@ class Worker:
         try:
             directory = config_module.data_dir(config)
             directory.mkdir(parents=True, exist_ok=True)
-            store = Store(directory, config.node.name, clock_lead=config.replication.max_clock_skew)
+            store = Store(directory, config.node.name, clock_lead=config.replication.max_clock_skew, holdings=True)
             store.database(SYSTEM, create=True)
             for name in self._removing:
                 store.block(name)
@@ -368,7 +369,6 @@ class Worker:
                 transport,
                 rate=settings.antientropy_rate,
                 ceiling=lambda: int((ctx.wall() + settings.max_clock_skew) * 1_000_000),
-                horizon=lambda: int((ctx.wall() - settings.tombstone_retention) * 1_000_000),
                 ca=ctx.ca,
                 verifier=ctx.verifier,
                 blobs=blobs.for_round(ctx, self._http, message.database, session.sub.url, session.peer),
@@ -529,7 +529,8 @@ class Worker:
         if self._server is not None:
             closers.append(self._server.close())
         try:
-            await asyncio.wait_for(asyncio.gather(*closers, return_exceptions=True), self._shutdown_deadline)
+            async with asyncio.timeout(self._shutdown_deadline):  # not wait_for: see workers.frames.receive
+                await asyncio.gather(*closers, return_exceptions=True)
         except TimeoutError:
             log.warning("worker_drain_timeout", deadline_s=self._shutdown_deadline)
         if self._http is not None:

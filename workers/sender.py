@@ -11,6 +11,7 @@ receiver slows the sender instead of making it buffer.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections import deque
 from typing import Any
 
@@ -25,7 +26,10 @@ from replicator.workers.context import WorkerContext
 HANDSHAKE_TIMEOUT = 15.0
 MAX_ORIGINS = 1024
 HOLDS_INTERVAL = 5.0  # at most this often, what the subscriber holds is reported to the coordinator
+HEADS_INTERVAL = 5.0  # at most this often, the subscriber is told what this end could serve it (wire.Heads)
+HEADS_RECHECK = 60.0  # an idle session's heads check when no commit woke it (a lost ring)
 BACKLOG_COUNT_CAP = 5_000_000  # a session's backlog is counted up to this many records (an index range count)
+_session_numbers = itertools.count(1)
 
 
 class Sender:
@@ -47,6 +51,12 @@ class Sender:
         self._holds_reported = float("-inf")  # on the loop's clock
         self._holds_dirty = False
         self._holds_due: asyncio.TimerHandle | None = None  # the deferred report of holds acknowledged meanwhile
+        self._sending = asyncio.Lock()  # batches and heads go out whole, one at a time
+        self._plan: OriginPlan | None = None
+        self.session = next(_session_numbers)
+        self._records_sent = 0
+        self._caught_up = False
+        self._exclude: list[str] = []
 
     @property
     def database(self) -> str:
@@ -78,24 +88,47 @@ class Sender:
         sub = await frames.expect(self._ws, wire.Subscribe, HANDSHAKE_TIMEOUT)
         db = self._open(sub)
         self._check_regression(db, sub.progress.get(self._ctx.node, 0))
-        backlog = OriginPlan.backlog(db, sub.progress, frozenset(sub.exclude), {self._peer: sub.own_upto})
+        exclude = frozenset(sub.exclude)
+        limits = {self._peer: sub.own_upto}
+        backlog = OriginPlan.backlog(db, sub.progress, exclude, limits)
+        origins = db.origins()
+        purged = {origin: scanned for origin, scanned in db.purged().items() if origin not in exclude}
         await frames.send(
-            self._ws, wire.Schema(database=db.name, epoch=db.epoch, head_seq=db.last_seq(), backlog=backlog)
+            self._ws,
+            wire.Schema(
+                database=db.name,
+                epoch=db.epoch,
+                head_seq=db.last_seq(),
+                backlog=backlog,
+                yours=origins[self._peer].complete if self._peer in origins else 0,
+                purged=purged,
+            ),
         )
         self._holds = {origin: version for origin, version in sub.progress.items() if version > 0}
+        self._exclude = sorted(exclude)
+        self._plan = OriginPlan(dict(sub.progress), exclude, limits)
         self._report_holds(force=True)
-        reader = asyncio.get_running_loop().create_task(self._read_acks(db))
+        loop = asyncio.get_running_loop()
+        reader = loop.create_task(self._read_acks(db))
+        heads = loop.create_task(self._send_heads(db, self._plan)) if "heads" in hello.capabilities else None
+        error = "session ended"
         try:
-            await self._serve(db, dict(sub.progress), frozenset(sub.exclude), {self._peer: sub.own_upto})
+            await self._serve(db, self._plan)
+        except BaseException as exc:
+            error = getattr(exc, "reason", "") or type(exc).__name__
+            raise
         finally:
-            reader.cancel()
+            for task in (reader, heads):
+                if task is not None:
+                    task.cancel()
             try:
-                await asyncio.gather(reader, return_exceptions=True)
+                await asyncio.gather(*(task for task in (reader, heads) if task is not None), return_exceptions=True)
             finally:
                 # After the reader: its last acks may have armed the report.
                 if self._holds_due is not None:
                     self._holds_due.cancel()
                     self._holds_due = None
+                self._report_state(connected=False, error=error)
 
     def _open(self, sub: wire.Subscribe) -> Database:
         if not NAME_RE.match(sub.database):
@@ -193,6 +226,27 @@ class Sender:
         self._holds_dirty = False
         self._holds_reported = now
         self._ctx.report(messages.PeerHolds(peer=self._peer, database=self._database, complete=dict(self._holds)))
+        self._report_state()
+
+    def _report_state(self, connected: bool = True, error: str = "") -> None:
+        """What this end of the pair is doing, for `/status` (messages.Sending)."""
+        plan = self._plan
+        self._ctx.report(
+            messages.Sending(
+                peer=self._peer,
+                database=self._database,
+                worker=self._ctx.worker_id,
+                session=self.session,
+                connected=connected,
+                batches_sent=self._sent,
+                batches_acked=self._acked,
+                records_sent=self._records_sent,
+                caught_up=self._caught_up,
+                blocked=dict(plan.blocked) if plan is not None else {},
+                exclude=self._exclude,
+                error=error[:200],
+            )
+        )
 
     def _report_due_holds(self) -> None:
         self._holds_due = None
@@ -204,7 +258,8 @@ class Sender:
             self._room.clear()
             await self._room.wait()
         self._check_gone()
-        await frames.send(self._ws, message)
+        async with self._sending:
+            await frames.send(self._ws, message)
         self._sent += 1
         if isinstance(message, wire.Batch) and message.marks:
             self._unacked.append((self._sent, dict(message.marks)))
@@ -233,12 +288,27 @@ class Sender:
             size += cost
         return chunks
 
-    async def _serve(
-        self, db: Database, marks: dict[str, int], exclude: frozenset[str], limits: dict[str, int]
-    ) -> None:
+    async def _send_heads(self, db: Database, plan: OriginPlan) -> None:
+        """Tell the subscriber what this end could mark for it now, whenever that changed, at most every
+        HEADS_INTERVAL (wire.Heads). It runs beside the stream on purpose: whatever holds the stream up, the
+        subscriber still sees that this end is ahead of it. It wakes on the database's commits, and by itself every
+        HEADS_RECHECK (a lost ring), so an idle session costs one check a minute."""
+        feed = self._ctx.feeds.get(db.name)
+        sent: dict[str, int] | None = None
+        while True:
+            version = db.data_version()
+            heads = plan.heads(db)
+            if heads != sent:
+                async with self._sending:
+                    await frames.send(self._ws, wire.Heads(complete=heads))
+                sent = heads
+            await asyncio.sleep(HEADS_INTERVAL)
+            if db.data_version() == version:
+                await feed.wait(HEADS_RECHECK, polled=False)
+
+    async def _serve(self, db: Database, plan: OriginPlan) -> None:
         """Stream every origin not excluded, from the subscriber's marks on, until the session ends."""
         feed = self._ctx.feeds.get(db.name)
-        plan = OriginPlan(marks, exclude, limits)
         told_caught_up = False
         while True:
             self._check_gone()
@@ -248,6 +318,9 @@ class Sender:
                 if not told_caught_up and not plan.blocked:
                     await self._send_batch(wire.Batch(entries=[], head_seq=db.last_seq(), caught_up=True))
                     told_caught_up = True
+                    if not self._caught_up:
+                        self._caught_up = True
+                        self._report_state()
                 # Woken by the next commit (workers.changes), and by nothing else: an idle session costs nothing.
                 # A commit made while the caught-up batch was being sent woke the feed before this wait began, so
                 # it is read first.
@@ -270,7 +343,11 @@ class Sender:
                 )
             told_caught_up = not more and not plan.blocked
             if entries:
+                self._records_sent += len(entries)
                 self._ctx.counters.inc("replicator_records_sent_total", db.name, self._peer, value=len(entries))
+            if told_caught_up != self._caught_up:
+                self._caught_up = told_caught_up
+                self._report_state()
 
 
 class OriginPlan:
@@ -309,6 +386,19 @@ class OriginPlan:
             if total >= BACKLOG_COUNT_CAP:
                 break
         return total
+
+    def heads(self, db: Database) -> dict[str, int]:
+        """Per origin this session serves, the mark the subscriber could be given now: what this node holds complete
+        of it, within the limits. Origins whose stream waits at a damaged record are left out (wire.Heads)."""
+        heads: dict[str, int] = {}
+        for origin, held in db.origins().items():
+            if origin in self.exclude or origin in self.blocked:
+                continue
+            cap = self.limits.get(origin)
+            complete = held.complete if cap is None else min(held.complete, cap)
+            if complete > 0:
+                heads[origin] = complete
+        return heads
 
     def next_batch(self, db: Database, limit: int) -> tuple[list[wire.Entry], dict[str, int], bool]:
         """(entries, raised marks, more pending) for the next batch of at most `limit` entries."""

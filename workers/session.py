@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+import msgspec
 
 from replicator.shared import messages, revocation, wire
 from replicator.shared.backoff import Backoff
@@ -36,7 +37,7 @@ from replicator.shared.histograms import BATCH_APPLY_SECONDS
 from replicator.shared.hlc import physical_seconds
 from replicator.shared.logs import log
 from replicator.shared.retry_budget import RetryBudget
-from replicator.shared.store import BadName, BadRecord
+from replicator.shared.store import BadName, BadRecord, Database
 from replicator.shared.tls import PeerIdentity, peer_identity
 from replicator.workers import blobs, frames
 from replicator.workers.context import SYSTEM, WorkerContext
@@ -48,6 +49,7 @@ PROGRESS_INTERVAL = 0.5
 HOLDS_INTERVAL = 5.0
 HOLDS_RECHECK = 60.0  # an idle pair's holds check when no commit woke it (a lost ring)
 STAYED_UP = 10.0  # a session up this long counts as progress: the reconnect schedule starts over
+MAX_HEADS = 1024  # origins a Heads may name (as many as a subscription may)
 
 
 class State(enum.Enum):
@@ -118,6 +120,10 @@ class PeerSession:
         self.applied = 0
         self.caught_up = False
         self.server_identity: PeerIdentity | None = None  # the certificate the peer presented, once dialled
+        # What the peer could mark for us (wire.Heads) and, of those origins, the ones where it is ahead of what
+        # this node holds complete, with this node's complete for each (reported: the coordinator's stall check).
+        self._peer_heads: dict[str, int] = {}
+        self.ahead: dict[str, int] = {}
         self._dirty = False
         self._last_progress = 0.0
 
@@ -242,7 +248,8 @@ class PeerSession:
         """Wait `seconds`; True when woken first (closed, or a forced reconnect)."""
         self._wake.clear()
         try:
-            await asyncio.wait_for(self._wake.wait(), seconds)
+            async with asyncio.timeout(seconds):  # not wait_for: see workers.frames.receive
+                await self._wake.wait()
         except TimeoutError:
             return False
         return True
@@ -328,11 +335,15 @@ class PeerSession:
             timeout=aiohttp.ClientWSTimeout(ws_close=5.0),
         )
 
+    async def _dial_within(self, seconds: float) -> Any:
+        async with asyncio.timeout(seconds):  # not wait_for: see workers.frames.receive
+            return await self._dial()
+
     async def _attempt_once(self, session: int) -> None:
         # The dial runs in its own task so that a cancellation arriving just as the handshake completes cannot
         # lose the socket: either the dial task is cancelled (aiohttp closes what it opened) or we get the
         # WebSocket and close it ourselves below.
-        dial = self._loop.create_task(asyncio.wait_for(self._dial(), DIAL_TIMEOUT))
+        dial = self._loop.create_task(self._dial_within(DIAL_TIMEOUT))
         try:
             ws = await asyncio.shield(dial)
         except asyncio.CancelledError:
@@ -385,13 +396,16 @@ class PeerSession:
         db = open_for_subscription(ctx, self.database)
         progress = db.progress()
         # Our own writes come back only from a file that lost them, and only those made before it began.
-        own_upto = db.own_floor if db.recovering else 0
+        own_upto = db.own_history().asks
         self._own_upto = own_upto
         await frames.send(
             ws,
             wire.Subscribe(database=self.database, progress=progress, exclude=self.sub.exclude, own_upto=own_upto),
         )
         schema = await frames.expect(ws, wire.Schema, HANDSHAKE_TIMEOUT)
+        self._check_schema(db, schema, progress)
+        self._peer_heads = {}
+        self.ahead = {}
         self.peer_head_seq = schema.head_seq
         self.backlog, self.received, self.session_applied, self.received_bytes = schema.backlog, 0, 0, 0
         self.caught_up = False
@@ -430,6 +444,46 @@ class PeerSession:
                 holds.cancel()
                 await asyncio.gather(holds, return_exceptions=True)
 
+    def _check_schema(self, db: Any, schema: wire.Schema, progress: dict[str, int]) -> None:
+        """What the sender's Schema says of this node's file: that the peer holds more of our own writes than the
+        file accounts for (it went back in time, or lost them: `shared.own_writes`), or that the peer has purged
+        deletions this node may never have received (it is behind the purge: reconcile now)."""
+        ctx = self._ctx
+        settings = ctx.config.replication
+        ceiling = int((ctx.wall() + settings.max_clock_skew) * 1_000_000)
+        if 0 < schema.yours <= ceiling and isinstance(db, Database) and db.regress(schema.yours):
+            log.warning("database_regressed", peer=self.peer, database=self.database, floor=schema.yours)
+            ctx.report(messages.DatabaseRegressed(name=self.database, peer=self.peer, floor=schema.yours))
+        behind = sorted(
+            origin
+            for origin, purged in schema.purged.items()
+            if origin not in self.sub.exclude and progress.get(origin, 0) < purged
+        )
+        if behind and isinstance(db, Database) and not db.is_empty():
+            log.warning(
+                "purge_behind",
+                peer=self.peer,
+                database=self.database,
+                origins=behind[:20],
+                sample_by=("peer", "database"),
+            )
+            ctx.report(messages.PurgeBehind(key=self.key, database=self.database, peer=self.peer, origins=behind[:20]))
+
+    def _note_heads(self, db: Any) -> None:
+        """Compare what the peer could mark for us with what this node holds complete now (`ahead`)."""
+        if not self._peer_heads:
+            ahead: dict[str, int] = {}
+        else:
+            progress = db.progress()
+            ahead = {
+                origin: progress.get(origin, 0)
+                for origin, head in self._peer_heads.items()
+                if head > progress.get(origin, 0)
+            }
+        if ahead != self.ahead:
+            self.ahead = ahead
+            self._dirty = True
+
     def _streaming(self) -> None:
         """The peer accepted the subscription: the session is up, and the dial that got here was free."""
         self.connected = True
@@ -455,6 +509,7 @@ class PeerSession:
                 await feed.wait(HOLDS_RECHECK, polled=False)
                 now = db.data_version()
             version = now
+            self._note_heads(db)
             progress = db.progress()
             if progress != sent:
                 async with sending:
@@ -466,7 +521,7 @@ class PeerSession:
         its commit (see `_commit`) or on anything else, so the sender's pings are still answered. The sender has
         at most its window of batches unacknowledged, which bounds the queue between them."""
         queue: asyncio.Queue[wire.Batch] = asyncio.Queue()
-        reader = self._loop.create_task(self._read_batches(ws, queue))
+        reader = self._loop.create_task(self._read_batches(ws, db, queue))
         applier = self._loop.create_task(self._apply_batches(ws, db, session, sending, queue))
         try:
             done, _ = await asyncio.wait({reader, applier}, return_when=asyncio.FIRST_COMPLETED)
@@ -477,19 +532,33 @@ class PeerSession:
                 task.cancel()
             await asyncio.gather(reader, applier, return_exceptions=True)
 
-    async def _read_batches(self, ws: Any, queue: asyncio.Queue[wire.Batch]) -> None:
+    async def _read_batches(self, ws: Any, db: Any, queue: asyncio.Queue[wire.Batch]) -> None:
         ctx = self._ctx
+        exclude = frozenset(self.sub.exclude)  # as this session subscribed (an update renews the session)
         while True:
             message = await frames.receive(ws)
+            if isinstance(message, wire.Heads):
+                self._take_heads(message, db)
+                continue
             if not isinstance(message, wire.Batch):
                 raise wire.ProtocolViolation(f"unexpected {type(message).__name__} from the sender")
             self._check_clock(message)
+            message = self._without_excluded(message, exclude)
             refusal = wire.bad_value(message.entries) or self._claims_our_origin(message.entries)
             if refusal is None and self.database == SYSTEM:
                 refusal = revocation.refusal(message.entries, ctx.ca)
             if refusal is not None:
                 raise wire.ProtocolViolation(f"batch refused, nothing applied: {refusal}")
             queue.put_nowait(message)
+
+    def _take_heads(self, message: wire.Heads, db: Any) -> None:
+        if len(message.complete) > MAX_HEADS:
+            raise wire.ProtocolViolation(f"Heads names {len(message.complete)} origins; at most {MAX_HEADS}")
+        ceiling = int((self._ctx.wall() + self._ctx.config.replication.max_clock_skew) * 1_000_000)
+        # A head above our clock's ceiling is a version this node would refuse: it cannot be waited for.
+        self._peer_heads = {origin: head for origin, head in message.complete.items() if head <= ceiling}
+        self._note_heads(db)
+        self._report_progress(self.session_id)
 
     async def _apply_batches(
         self, ws: Any, db: Any, session: int, sending: asyncio.Lock, queue: asyncio.Queue[wire.Batch]
@@ -500,12 +569,13 @@ class PeerSession:
         while True:
             message = await queue.get()
             entries = message.entries
+            marks = message.marks
             if self.database == SYSTEM:
-                entries = refuse_registry_rows(ctx, self.peer, entries)
+                entries, marks = refuse_registry_rows(ctx, self.peer, entries, marks)
             # The durability watermark: the batch and its marks wait until every blob it refers to is safe here.
             await blobs.ensure(ctx, self._http, self.database, self.sub.url, self.peer, entries)
             started = self._loop.time()
-            applied = await self._commit(db, entries, message.marks)
+            applied = await self._commit(db, entries, marks)
             if entries:  # not the empty batch that only says caught up
                 ctx.counters.observe(BATCH_APPLY_SECONDS, self._loop.time() - started, self.database)
             if not batches:
@@ -531,6 +601,8 @@ class PeerSession:
                 if message.entries:
                     self.lag_seconds = max(0.0, ctx.wall() - physical_seconds(message.entries[-1].version))
             self._dirty = True
+            if self._peer_heads and (marks or message.caught_up):
+                self._note_heads(db)
             # Reaching or leaving the caught-up state is reported at once: routing and recovery wait on it.
             self._report_progress(session, force=message.caught_up != was_caught_up)
 
@@ -581,6 +653,29 @@ class PeerSession:
                 )
         return None
 
+    def _without_excluded(self, batch: wire.Batch, exclude: frozenset[str]) -> wire.Batch:
+        """The batch without what it carries of origins this subscription excluded: this node receives those over
+        their own links, and a position for one taken from another sender could pass writes that link has not
+        delivered yet. A sender that follows the protocol serves none of them."""
+        if not exclude or not (
+            any(entry.origin in exclude for entry in batch.entries) or any(origin in exclude for origin in batch.marks)
+        ):
+            return batch
+        log.warning(
+            "excluded_origin_ignored",
+            peer=self.peer,
+            database=self.database,
+            origins=sorted(
+                {entry.origin for entry in batch.entries if entry.origin in exclude} | (exclude & batch.marks.keys())
+            ),
+            sample_by=("peer", "database"),
+        )
+        return msgspec.structs.replace(
+            batch,
+            entries=[entry for entry in batch.entries if entry.origin not in exclude],
+            marks={origin: mark for origin, mark in batch.marks.items() if origin not in exclude},
+        )
+
     def _check_clock(self, batch: wire.Batch) -> None:
         """Refuse versions further ahead of our wall clock than max_clock_skew: they would drag our clock (and,
         relayed, every node's) into the future."""
@@ -620,6 +715,7 @@ class PeerSession:
                 received=self.received,
                 session_applied=self.session_applied,
                 received_bytes=self.received_bytes,
+                ahead=dict(self.ahead),
             )
         )
 
@@ -628,15 +724,22 @@ class PeerSession:
         return self._dirty
 
 
-def refuse_registry_rows(ctx: WorkerContext, peer: str, entries: list[wire.Entry]) -> list[wire.Entry]:
+def refuse_registry_rows(
+    ctx: WorkerContext, peer: str, entries: list[wire.Entry], marks: dict[str, int]
+) -> tuple[list[wire.Entry], dict[str, int]]:
     """The entries of a system-database batch without the registry rows that do not verify (each logged as
-    `registry_row_refused`). Skipped, not the whole batch: a row that verified on the sender may fail here only
-    because a revocation of its signer arrived here first, and the rest of the stream must go on."""
+    `registry_row_refused`), and the batch's marks held below each refused row: this node does not hold it, so its
+    position for that origin must not pass it (invariant 13), and the sender serves it again on the next session,
+    when it may verify (a CA bundle here that gains the signer's CA, as during a rotation). Skipped, not the whole
+    batch: the rest of the stream must go on."""
     refused = ctx.verifier.refusals(entries)
     if not refused:
-        return entries
+        return entries, marks
+    held = dict(marks)
     for entry, reason in refused:
         ctx.counters.inc("replicator_registry_rows_refused_total", peer)
         log.warning("registry_row_refused", peer=peer, name=entry.id[:70], reason=reason, sample_by=("peer", "name"))
+        if entry.origin in held:
+            held[entry.origin] = min(held[entry.origin], entry.version - 1)
     dropped = {id(entry) for entry, _ in refused}
-    return [entry for entry in entries if id(entry) not in dropped]
+    return [entry for entry in entries if id(entry) not in dropped], held

@@ -147,8 +147,7 @@ def test_init_then_run_serves_until_sigterm(node_config: Path) -> None:
     )
     try:
         _wait_answering(process, admin_port, "/readyz")
-        process.send_signal(signal.SIGTERM)
-        _, errors = process.communicate(timeout=15)
+        errors = _terminate(process)
         assert process.returncode == 0
         assert "node_stopped" in errors
         assert "listen_unreachable" not in errors  # loopback URL, loopback listen address
@@ -192,8 +191,7 @@ def test_a_loopback_listen_address_with_a_remote_url_warns_at_init_and_at_boot(t
     )
     try:
         _wait_answering(process, admin_port, "/healthz")
-        process.send_signal(signal.SIGTERM)
-        _, errors = process.communicate(timeout=30)
+        errors = _terminate(process)
     finally:
         if process.poll() is None:
             process.kill()
@@ -250,6 +248,21 @@ async def test_status_check_and_verify_json_for_scripts(make_cluster: Callable[.
         assert result.returncode == 1 and "cannot reach" in result.stderr
     finally:
         await cluster.close()
+
+
+def _terminate(process: subprocess.Popen[str]) -> str:
+    """SIGTERM the node and return its stderr once it has exited. It must drain and exit within
+    replication.shutdown_timeout (10 s here); three times that holds on a loaded machine. A node still running then
+    is killed, and the test fails with the end of its log (the last event names the step that did not finish)."""
+    deadline = 30.0
+    process.send_signal(signal.SIGTERM)
+    try:
+        _, errors = process.communicate(timeout=deadline)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        _, errors = process.communicate(timeout=deadline)
+        raise AssertionError(f"the node did not exit within {deadline:g} s of SIGTERM:\n{errors[-3000:]}") from None
+    return errors
 
 
 def _wait_answering(process: subprocess.Popen[str], admin_port: int, path: str, timeout: float = 60.0) -> None:

@@ -33,7 +33,7 @@ async def test_cut_link_disconnects_and_heal_delivers_the_writes_made_during_the
             pairs = await _pairs(cluster, "a", "b") + await _pairs(cluster, "b", "a")
             return bool(pairs) and not any(pair["connected"] for pair in pairs)
 
-        await wait_for(all_disconnected, 20, "every a-b session reported disconnected")
+        await wait_for(all_disconnected, 60, "every a-b session reported disconnected")
         status, written = await cluster.data("a", "PUT", f"/data/{DATABASE}/t/during", {"n": 2})
         assert status == 200
         assert (await cluster.data("b", "GET", f"/data/{DATABASE}/t/during"))[0] == 404

@@ -66,7 +66,7 @@ async def test_a_deleted_database_leaves_every_node_and_can_be_written_again(mak
         await wait_for(lambda: _all_removed(cluster, "mistake", names), 60, "mistake removed from every node")
         for name in names:
             (event,) = _removals(cluster, name, "mistake")
-            assert event["floor"] == body["version"]
+            assert event["floors"] == body["floors"] and sorted(body["floors"]) == names
         # Only the deleted database went: the other is what it was, and the same everywhere.
         assert await cluster.digests("keep") == keep_before
         await assert_identical(cluster, ["keep"])
@@ -78,20 +78,20 @@ async def test_a_deleted_database_leaves_every_node_and_can_be_written_again(mak
         cluster["c"].stop()
         status, body = await cluster.admin_request("a", "DELETE", "/databases/typo")
         assert status == 200, body
-        floor = body["version"]
+        floors = body["floors"]
         # a and b keep a pair with c while c's row still says it holds typo: the subscription creates no file.
         await wait_for(lambda: _all_removed(cluster, "typo", ["a", "b"], pairs=False), 60, "typo gone from a and b")
         cluster["c"].start()
         await cluster.wait_ready(["c"])
         await wait_for(lambda: _all_removed(cluster, "typo", names), 60, "typo removed from c, and no pair left")
         (event,) = _removals(cluster, "c", "typo")
-        assert event["floor"] == floor and event["records_removed"] == 60
+        assert event["floors"] == floors and event["records_removed"] == 60
         for name in ("a", "b"):
             assert len(_removals(cluster, name, "typo")) == 1  # removed once: nothing made the file come back
 
         # Written to again after the deletion, the database exists again on every node, with only the new write.
         status, written = await cluster.data("c", "PUT", "/data/typo/t/again", {"v": 2})
-        assert status == 200 and written["version"] > floor
+        assert status == 200 and written["version"] > floors["c"]
         await cluster.wait_converged("typo", expect_count=1)
         await assert_identical(cluster, ["typo", "keep"])
         for name in names:
@@ -139,12 +139,14 @@ async def test_delete_database_command_and_refusals(make_cluster) -> None:  # ty
         assert "deleted database oops" in done.stdout
         await wait_for(lambda: _all_removed(cluster, "oops", ["a", "b"]), 60, "oops removed from a and b")
 
-        # Deleting it again, once written to again, writes a new marker with a higher floor.
-        first = _removals(cluster, "a", "oops")[0]["floor"]
+        # Deleting it again, once written to again, writes a marker whose floors cover the new write.
+        first = _removals(cluster, "a", "oops")[0]["floors"]
         await write_many(cluster, "a", "oops", "t", ["z"], 2)
         await cluster.wait_converged("oops", expect_count=1)
+        status, z = await cluster.data("b", "GET", "/data/oops/t/z")
+        assert status == 200, z
         status, body = await cluster.admin_request("b", "DELETE", "/databases/oops")
-        assert status == 200 and body["version"] > first
+        assert status == 200 and body["floors"]["a"] == z["version"] > first.get("a", 0), (body, first)
         await wait_for(lambda: _all_removed(cluster, "oops", ["a", "b"]), 60, "oops removed again")
 
         refused = await asyncio.to_thread(_delete_database, "--admin", admin, "never_made")

@@ -269,25 +269,25 @@ async def test_connection_caps_refuse_before_tls(make_cluster: Callable[..., Loc
             assert extra is not None and not await _closed_at_once(extra)
             held.append(extra)
             series = 'replicator_connections_refused_total{limit="max_connections_per_client"}'
-            await wait_for(lambda: _at_least(cluster, series, 1), 10, "the per-client refusal counted")
+            await wait_for(lambda: _at_least(cluster, series, 1), 60, "the per-client refusal counted")
             for _, writer in held[10:16]:
                 writer.transport.abort()
             del held[10:16]
             # The address is free again; now the worker's cap: 24 in all.
-            await wait_for(lambda: _connects(connect, anonymous, held), 10, "the per-client cap released")
+            await wait_for(lambda: _connects(connect, anonymous, held), 60, "the per-client cap released")
             while len(held) < 24:
                 connection = await connect(certified)
                 assert connection is not None, len(held)
                 held.append(connection)
             assert await connect(certified) is None
             series = 'replicator_connections_refused_total{limit="max_connections"}'
-            await wait_for(lambda: _at_least(cluster, series, 1), 10, "the refusal over max_connections counted")
+            await wait_for(lambda: _at_least(cluster, series, 1), 60, "the refusal over max_connections counted")
         finally:
             for _, writer in held:
                 writer.transport.abort()
         refusals = [r for r in log_records(node) if r["event"] == "connection_refused"]
         assert {r["limit"] for r in refusals} == {"max_connections", "max_connections_per_client"}, refusals
-        await wait_for(lambda: _serves(cluster), 10, "the node serving once the connections closed")
+        await wait_for(lambda: _serves(cluster), 60, "the node serving once the connections closed")
         await assert_serving(cluster, "a")
     finally:
         await cluster.close()
@@ -309,13 +309,13 @@ async def test_handshakes_in_progress_are_capped_before_tls(make_cluster: Callab
                 assert not writer.transport.is_closing()
             assert await _closed_at_once(await asyncio.open_connection(HOST, node.port))
             series = 'replicator_connections_refused_total{limit="max_handshakes"}'
-            await wait_for(lambda: _at_least(cluster, series, 1), 10, "the refusal over max_handshakes counted")
+            await wait_for(lambda: _at_least(cluster, series, 1), 60, "the refusal over max_handshakes counted")
         finally:
             for _, writer in silent:
                 writer.transport.abort()
         refusals = [r for r in log_records(node) if r["event"] == "connection_refused"]
         assert {r["limit"] for r in refusals} == {"max_handshakes"}, refusals
-        await wait_for(lambda: _serves(cluster), 10, "the node serving once the handshakes went")
+        await wait_for(lambda: _serves(cluster), 60, "the node serving once the handshakes went")
         await assert_serving(cluster, "a")
     finally:
         await cluster.close()

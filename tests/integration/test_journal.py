@@ -88,7 +88,7 @@ async def test_journal_lines_carry_their_priority_and_one_type_per_field(make_cl
         _, status = await cluster.admin("a", "/status")
         pairs = sum(len(c["databases"]) for c in status["connections"])
         whole = f"workers 2/2 ready, pairs {pairs}/{pairs} connected"
-        await wait_for(lambda: statuses() and statuses()[-1] == whole, 10, f"STATUS={whole}")
+        await wait_for(lambda: statuses() and statuses()[-1] == whole, 60, f"STATUS={whole}")
         assert ["READY=1"] in [lines[:1] for lines in datagrams]
         assert statuses()[0].startswith("starting: workers 0/2 ready")
 

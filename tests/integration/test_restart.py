@@ -46,7 +46,7 @@ async def test_restarted_node_resumes_from_its_progress(make_cluster) -> None:  
             pair = await _pair(cluster, "b", "a", "inv")
             return pair is not None and pair["connected"] and pair["caught_up"] and pair["applied"] >= 101
 
-        await wait_for(resumed, 10, "b resumed from a")
+        await wait_for(resumed, 60, "b resumed from a")
         pair = await _pair(cluster, "b", "a", "inv")
         # The resumed session brought exactly what was written while b was down: nothing was served twice.
         assert pair is not None and pair["applied"] == 101

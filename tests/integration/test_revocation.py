@@ -64,7 +64,7 @@ async def test_a_revoked_certificate_loses_every_session_and_stays_out(make_clus
             pairs += [p for name in ("a", "b") for p in await _pairs_with(cluster, "c", name)]
             return bool(pairs) and not any(p["connected"] for p in pairs)
 
-        await wait_for(cut_off, 10, "every session with c's certificate to end")
+        await wait_for(cut_off, 60, "every session with c's certificate to end")
         print(f"c cut off {time.monotonic() - revoked_at:.2f} s after the revocation was stored on a")
         # a and b still replicate with each other; c stays out.
         assert (await cluster.data("b", "PUT", f"/data/{DATABASE}/t/y", {"v": 2}))[0] == 200

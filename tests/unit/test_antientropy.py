@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from replicator.shared import digests
-from replicator.shared.store import Database, Store
+from replicator.shared.store import DamagedRecord, Database, Store
 from replicator.shared.wire import Entry
 from replicator.workers.antientropy import (
     BadQuery,
@@ -30,15 +30,23 @@ from tests.unit.test_store import FakeClock
 
 
 class Nodes:
+    """Two intact nodes (neither file recovering) holding database d."""
+
     def __init__(self, root: Path) -> None:
         self.clock = FakeClock()
         self.a = Store(root / "a", "a", clock=self.clock, synchronous="OFF").database("d", create=True)
         self.b = Store(root / "b", "b", clock=self.clock, synchronous="OFF").database("d", create=True)
+        self.a.finish_recovery()
+        self.b.finish_recovery()
 
     def write(self, count: int, table: str = "t") -> None:
-        """`count` records on a, copied to b as replication would."""
+        """`count` records on a, copied to b as replication would (with the mark they earn)."""
         self.a.put_many(table, [(f"k{i}", _v(f"value {i}")) for i in range(count)])
-        self.b.apply_batch(self.a.origin_entries("a", 0, 10**9))
+        self.replicate()
+
+    def replicate(self) -> None:
+        """Everything a holds of its own origin, to b, with its mark."""
+        self.b.apply_batch(self.a.origin_entries("a", 0, 10**9), {"a": self.a.progress()["a"]})
 
 
 def _sql(db: Database, statement: str, *args: object) -> None:
@@ -131,12 +139,33 @@ def test_two_nodes_missing_different_writes_repair_each_other(nodes: Nodes) -> N
     assert nodes.a.digest() == nodes.b.digest()
 
 
-def test_a_damaged_row_nobody_else_holds_is_removed(nodes: Nodes) -> None:
+def test_a_damaged_row_no_peer_holds_waits_unserved_until_it_is_written_again(nodes: Nodes) -> None:
     nodes.write(10)
     nodes.b.put("t", "mine", _v("only here"))
     _sql(nodes.b, "UPDATE records SET value = X'00' WHERE id = 'mine'")
     _scrub(nodes.b)
+    # a never held it: its absence there says nothing, and b's copy may be the only one there is. It stays damaged
+    # (never served), and a stays without it.
+    assert _round(nodes.b, nodes.a).repaired == 0
+    assert _round(nodes.a, nodes.b).repaired == 0
+    with pytest.raises(DamagedRecord):
+        nodes.b.get("t", "mine")
+    # A write of the record replaces it, and then it replicates like any other.
+    nodes.b.put("t", "mine", _v("written again"))
+    assert _round(nodes.a, nodes.b).repaired == 1
+    assert nodes.a.get("t", "mine").value == _v("written again")
+    assert nodes.b.digest() == nodes.a.digest()
+
+
+def test_a_damaged_row_a_peer_held_and_holds_nothing_of_now_is_removed(nodes: Nodes) -> None:
+    nodes.write(10)
+    # On b, a row under a's origin at a version a holds complete, and a holds nothing of the record: garbage.
+    _sql(
+        nodes.b, "INSERT INTO records (tbl, id, value, version, origin, tombstone) VALUES ('t', 'x', X'01', 5, 'a', 0)"
+    )
+    _scrub(nodes.b)
     assert _round(nodes.b, nodes.a).repaired == 1
+    assert nodes.b.fetch("t", ["x"]) == ([], [])
     assert nodes.b.digest() == nodes.a.digest()
 
 
@@ -149,7 +178,11 @@ def test_damage_on_the_serving_side_is_not_served(nodes: Nodes) -> None:
     assert result.repaired == 0
     assert nodes.b.get("t", "k1").value == _v("value 1")
     assert nodes.a.checksum_failures == 1
-    # a pulls its repair from b: b's older healthy version replaces the damaged one
+    # b's older copy does not replace a's damaged newer one: b never held the newer write, and putting the older
+    # one back would undo it. Once b holds a's origin past it (it has a's newer writes, or something newer of k1),
+    # b's copy is what there is, and it does.
+    assert _round(nodes.a, nodes.b).repaired == 0
+    nodes.b.apply_batch([], {"a": nodes.a.progress()["a"]})
     assert _round(nodes.a, nodes.b).repaired == 1
     assert nodes.a.get("t", "k1").value == _v("value 1")
 
@@ -231,22 +264,53 @@ def test_rows_and_children_agree_with_the_stored_buckets(nodes: Nodes) -> None:
         assert sum(count for count, _ in children) == len(rows)
 
 
-def test_a_purged_tombstone_is_not_pulled_back(nodes: Nodes) -> None:
+def test_a_purged_tombstone_is_not_pulled_back_and_its_purge_spreads(nodes: Nodes) -> None:
     nodes.write(10)
     horizon = nodes.a.delete("t", "k3")
     assert horizon is not None
-    nodes.b.apply_batch(nodes.a.origin_entries("a", 0, 10**9))
+    nodes.replicate()
     everyone = {"a": horizon}
     assert nodes.a.purge_tombstones(everyone, horizon) == 1
     assert nodes.a.purge_tombstones(everyone, horizon) == 0  # walked once
-    # b still holds the tombstone: a does not take it back, and b does not take the absence as a loss.
-    assert _round(nodes.a, nodes.b, horizon=lambda: horizon).repaired == 0
-    assert _round(nodes.b, nodes.a, horizon=lambda: horizon).repaired == 0
-    assert nodes.b.purge_tombstones(everyone, horizon) == 1
+    # b still holds the tombstone, but b could not decide the purge (say b does not hear from every holder): a does
+    # not take it back, and b, seeing a purged it, purges its copy. The digests meet.
+    assert _round(nodes.a, nodes.b).repaired == 0
+    result = _round(nodes.b, nodes.a)
+    assert result.repaired == 1 and result.divergent_buckets == 1
+    assert nodes.b.fetch("t", ["k3"]) == ([], [])
     assert nodes.a.digest() == nodes.b.digest()
-    # Before the horizon, the same tombstone is pulled like any record.
+    # A tombstone a has not purged is pulled like any record.
     nodes.a.delete("t", "k4")
-    assert _round(nodes.b, nodes.a, horizon=lambda: horizon).repaired == 1
+    assert _round(nodes.b, nodes.a).repaired == 1
+
+
+def test_a_record_whose_deletion_was_purged_is_removed_not_spread(nodes: Nodes) -> None:
+    """A node restored from a backup older than the purge (or back after tombstone_retention) holds records that
+    were deleted since, and whose tombstones are gone: they must not come back."""
+    nodes.write(10)
+    nodes.clock.advance(1)
+    deleted = nodes.a.delete("t", "k3")
+    assert deleted is not None
+    # b missed the delete (its file is from before it); a purged the tombstone.
+    assert nodes.a.purge_tombstones({"a": deleted}, deleted) == 1
+    assert nodes.b.get("t", "k3") is not None
+    # a's round does not pull k3 back from b, and b's round removes it.
+    assert _round(nodes.a, nodes.b).repaired == 0
+    assert nodes.a.get("t", "k3") is None
+    assert _round(nodes.b, nodes.a).repaired == 1
+    assert nodes.b.get("t", "k3") is None
+    assert nodes.a.digest() == nodes.b.digest()
+
+
+def test_a_record_the_peer_never_held_is_left_for_it_to_pull(nodes: Nodes) -> None:
+    nodes.write(10)
+    nodes.clock.advance(1)
+    deleted = nodes.a.delete("t", "k3")
+    assert deleted is not None and nodes.a.purge_tombstones({"a": deleted}, deleted) == 1
+    nodes.b.put("t", "fresh", _v("b's own"))  # b's origin, which a has not got: not a deletion a purged
+    assert _round(nodes.b, nodes.a).repaired == 1  # k3 goes; fresh stays
+    assert nodes.b.get("t", "fresh") is not None
+    assert _round(nodes.a, nodes.b).repaired == 1 and nodes.a.get("t", "fresh") is not None
 
 
 def test_tombstones_stay_until_every_holder_has_them_and_the_horizon_passed(nodes: Nodes) -> None:

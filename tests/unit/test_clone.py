@@ -16,6 +16,7 @@ import pytest
 
 from replicator.coordinator import clone
 from replicator.coordinator.clone import Answer, CloneError, Leader, LeaderInfo, Retry
+from replicator.coordinator.recovery import Recoveries
 from replicator.shared.config import PeerSection, from_mapping, load
 from replicator.shared.tls import ca_certificates, certificates_pem, create_ca, issue_node_cert, parse_certificates
 from tests.unit.fakeloop import VirtualTimeLoop
@@ -291,12 +292,16 @@ class FakeNode:
     def __init__(self) -> None:
         self.supervisor = SimpleNamespace(all_ready=lambda: True)
         self.views: dict[str, Any] = {}
-        self.recoveries: dict[str, dict[str, Any]] = {}
+        self.recoveries = Recoveries()
+        self.recoveries.begin("system", wall=0.0, now=0.0)  # a clone's system database starts empty: recovering
         self.pairs: dict[str, Any] = {}
         self.map = SimpleNamespace(by_peer=lambda name: SimpleNamespace(pairs=self.pairs) if name == "a" else None)
+        self.live: dict[str, int] = {}
+        self.store = SimpleNamespace(database=lambda name: SimpleNamespace(count_live=lambda: self.live.get(name, 0)))
 
     def pair(self, database: str, **state: Any) -> None:
-        self.pairs[database] = SimpleNamespace(**{"connected": False, "applied": 0, "last_error": "", **state})
+        fields = {"connected": False, "applied": 0, "last_error": "", "caught_up_at": None, **state}
+        self.pairs[database] = SimpleNamespace(**fields)
 
 
 def target(databases: list[str]) -> clone.Plan:
@@ -313,20 +318,24 @@ def watch(loop: VirtualTimeLoop, node: FakeNode, plan: clone.Plan, run: asyncio.
     return loop.create_task(main()), said
 
 
-def test_the_copy_is_done_once_every_database_is_recovered(loop: VirtualTimeLoop) -> None:
+def test_the_copy_is_done_once_every_database_is_recovered_or_caught_up(loop: VirtualTimeLoop) -> None:
     node = FakeNode()
     run: asyncio.Future[int] = loop.create_future()
     task, said = watch(loop, node, target(["system", "big"]), run)
-    node.pair("system", connected=True, applied=3)
+    node.pair("system", connected=True, applied=3, caught_up_at=1.0)
+    node.pair("big", connected=True, applied=500)
     loop.advance_to(2.0)
-    node.recoveries["system"] = {"state": "recovered", "records": 3}
+    assert said == []  # the system database's pair caught up, but its recovery has not finished
+    node.recoveries.finish("system", 3, wall=2.0)
     loop.advance_to(7.0)
     assert not task.done()
-    node.recoveries["big"] = {"state": "recovered", "records": 12800}
+    # A database this node never held has nothing to recover: copied once its pair with the leader caught up.
+    node.live["big"] = 12800
+    node.pair("big", connected=True, applied=12800, caught_up_at=7.2)
     loop.advance_to(7.5)
     assert task.result() == clone.EXIT_OK
     assert said[0] == "clone: system copied (3 records)"
-    assert "clone: 1/2 databases copied, 3 records applied; copying big" in said
+    assert "clone: 1/2 databases copied, 503 records applied; copying big" in said
     assert said[-2:] == [
         "clone: big copied (12,800 records)",
         "clone: copied 2 databases (12,803 records) from a in 7.5 s",

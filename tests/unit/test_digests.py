@@ -117,7 +117,12 @@ def test_incremental_digests_equal_digests_recomputed_from_scratch(script: list[
                     db.check_digests()
                     behind = False
                 case ("drop", record_id):
-                    db.drop_damaged("t", [record_id])
+                    with closing(sqlite3.connect(db.path)) as conn:
+                        held = conn.execute(
+                            "SELECT version, origin FROM records WHERE tbl = 't' AND id = ?", (record_id,)
+                        ).fetchone()
+                    if held is not None:
+                        db.drop_superseded("t", [(record_id, held[0], held[1])])
                 case ("purge",):
                     db.purge_tombstones({"a": hlc.MAX_VERSION, "b": hlc.MAX_VERSION}, clock.us + 10**6)
                 case ("repair", record_id, value):

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from replicator.coordinator.drops import RESEND, Drops
+from replicator.coordinator.drops import RESEND, Drops, NotHeld
 from replicator.coordinator.node import Node
 from replicator.shared import dropped, messages
-from replicator.shared.store import SYSTEM, DatabaseRemoving, Store
+from replicator.shared.store import SYSTEM, DatabaseRemoving, DeletionFloors, Store
 from tests.unit.fakeloop import VirtualTimeLoop
 from tests.unit.test_coordinator import FakeSupervisor, add, make_node, peer
 from tests.unit.test_store import FakeClock, rec
@@ -53,23 +53,22 @@ def _answer(node: Node, supervisor: FakeSupervisor, slots: list[int]) -> None:
             node.on_worker_message(slot, closed)
 
 
-def test_the_floor_covers_the_file_and_what_any_node_can_have_written(node: tuple[Node, FakeSupervisor]) -> None:
+def test_the_floors_are_what_this_node_holds_of_each_origin(node: tuple[Node, FakeSupervisor]) -> None:
     node_, _ = node
     drops = node_.drops
-    # Each file keeps its own clock: this one's is far ahead of the system database's.
+    # Whatever the clocks say: the floors are the versions this node holds, per origin, and nothing beyond them.
     ahead = int((WALL + 600) * 1_000_000)
-    _hold(node_, "typo", [ahead])
+    _hold(node_, "typo", [ahead, 7])
+    node_.store.database("typo").apply_batch([rec("c1", 40, "c")])  # type: ignore[union-attr]
     assert drops.known("typo") and not drops.known("never")
-    first = drops.request("typo")
-    assert first > ahead
-    # A version is at most max_clock_skew ahead of its writer's wall clock: the floor covers that much too.
-    _hold(node_, "fresh", [5])
-    second = drops.request("fresh")
-    assert second > int((WALL + node_.config.replication.max_clock_skew) * 1_000_000)
-    # A database only the registry knows of is known too.
+    version, floors = drops.request("typo")
+    assert floors == {"b": ahead, "c": 40} and version > 0
+    assert dropped.floors(node_.system()) == {"typo": DeletionFloors(origins={"b": ahead, "c": 40})}
+    # A database only the registry knows of is known, but this node has seen nothing of it to delete.
     add(node_, peer("b", 2000, holds=("elsewhere",)))
     assert drops.known("elsewhere")
-    assert dropped.floors(node_.system()) == {"typo": first, "fresh": second}
+    with pytest.raises(NotHeld):
+        drops.request("elsewhere")
 
 
 def test_an_emptied_database_is_removed_once_every_worker_closed_it(
@@ -81,7 +80,7 @@ def test_an_emptied_database_is_removed_once_every_worker_closed_it(
     _hold(node_, "typo", [10, 20, 30])
     add(node_, peer("b", 2000, holds=("typo",)))
     assert any("typo" in entry.pairs for entry in node_.map)
-    floor = node_.drops.request("typo")
+    _, floors = node_.drops.request("typo")
 
     task = loop.create_task(node_.drops.apply())
     loop.advance(0.0)
@@ -100,14 +99,15 @@ def test_an_emptied_database_is_removed_once_every_worker_closed_it(
     _answer(node_, supervisor, [1])
     loop.advance(RESEND)
     assert task.done()
-    assert task.result() == [{"database": "typo", "floor": floor, "removed": True, "records_removed": 3}]
+    assert task.result() == [{"database": "typo", "floors": floors, "removed": True, "records_removed": 3}]
     assert not store.path("typo").exists() and "typo" not in store.names()
     assert "typo" not in node_.holds
     released = supervisor.of(messages.ReleaseDatabase)
     assert sorted(slot for _, slot, _ in released) == [0, 1]
-    # Written to again, it is born with the floor.
+    # Written to again, it is born with the floors.
     db = store.database("typo", create=True)
-    assert db.dropped_floor == floor and db.put("t", "new", b"v") > floor
+    assert db.dropped_floor == DeletionFloors(origins=floors) and db.put("t", "new", b"v") > 0
+    assert db.apply_batch([rec("r10", 10, "b")]) == 0 and db.apply_batch([rec("r31", 31, "b")]) == 1
     # And a later pass leaves what holds a record written after the deletion alone.
     supervisor.sent.clear()
     again = loop.create_task(node_.drops.apply())
@@ -155,10 +155,12 @@ def test_records_written_after_the_deletion_keep_the_database(
     store = node_.store
     assert store is not None
     _hold(node_, "typo", [10, 20])
-    floor = node_.drops.request("typo")
-    store.database("typo").apply_batch([rec("later", floor + 1, "c")])
+    _, floors = node_.drops.request("typo")
+    # Arrived after the deletion was asked: c's write (an origin the deletion had not seen) and b's newer one.
+    store.database("typo").apply_batch([rec("later", 5, "c"), rec("newer", 21, "b")])
     task = loop.create_task(node_.drops.apply())
     loop.advance(0.0)
-    assert task.result() == [{"database": "typo", "floor": floor, "removed": False, "records_removed": 2}]
+    assert task.result() == [{"database": "typo", "floors": floors, "removed": False, "records_removed": 2}]
     assert supervisor.of(messages.DropDatabase) == []
-    assert "typo" in node_.holds and [e.id for e in store.database("typo").scan("t", None, 10)] == ["later"]
+    assert "typo" in node_.holds
+    assert [e.id for e in store.database("typo").scan("t", None, 10)] == ["later", "newer"]

@@ -201,3 +201,27 @@ def test_two_processes_of_one_node_cannot_bind_one_address(tmp_path: Path) -> No
     with pytest.raises(OSError):
         Doorbell(tmp_path, pid=77)
     bell.close()
+
+
+def test_a_waiter_cancelled_as_its_feed_wakes_is_cancelled(tmp_path: Path, loop: VirtualTimeLoop) -> None:
+    """A session's holds and heads tasks wait on the feed with a timeout; the session ends by cancelling them. When
+    the cancellation lands in the same turn as a wake-up (the session's end pokes the feed), the task must still
+    end: with asyncio.wait_for on Python 3.11 it swallowed the cancellation and waited on, and the session it belonged
+    to never finished closing, connected and silent for good (issue 20, a pair that stopped receiving)."""
+    with Store(tmp_path, "n1") as store:
+        store.database("db", create=True)
+        feeds = _feeds(store, safety_interval=None)
+        feeds.start(loop)
+        feed = feeds.get("db")
+
+        async def holds() -> None:
+            while True:
+                await feed.wait(60.0, polled=False)
+
+        task = loop.create_task(holds())
+        loop.advance(1.0)
+        feed.poke()
+        task.cancel()
+        loop.advance(0.0)
+        assert task.cancelled()
+        loop.run(feeds.close())

@@ -58,7 +58,7 @@ def test_a_link_down_fails_over_after_exactly_failover_after(loop: VirtualTimeLo
     assert router.failed_over() == {"db": ["c"]}
 
 
-def test_it_moves_back_only_when_the_link_is_up_and_caught_up(loop: VirtualTimeLoop) -> None:
+def test_it_moves_back_once_the_link_has_been_up_and_caught_up_for_failover_after(loop: VirtualTimeLoop) -> None:
     router, changes = make_router(loop)
     for name in ("b", "c"):
         router.track("db", name)
@@ -66,15 +66,111 @@ def test_it_moves_back_only_when_the_link_is_up_and_caught_up(loop: VirtualTimeL
     router.report("db", "c", up=False)
     loop.advance_to(20.0)
     assert changes == [(10.0, "db")]
-    router.report("db", "c", up=True)  # connected, still catching up: b keeps carrying c
+    router.report("db", "c", up=True)  # connected, still catching up: b keeps carrying c, and no wait starts
     loop.advance_to(21.0)
     router.report("db", "c", up=True, caught_up=False)
     assert router.exclude("db", "b") == [] and len(changes) == 1
+    assert loop.pending_timers() == []
     loop.advance_to(22.5)
-    router.report("db", "c", up=True, caught_up=True)
-    assert changes[-1] == (22.5, "db")
+    router.report("db", "c", up=True, caught_up=True)  # stable from here: back at 32.5 unless it drops
+    assert [timer.when() for timer in loop.pending_timers()] == [32.5]
+    loop.advance_to(32.499)
+    assert len(changes) == 1 and router.mode("db", "c") is Mode.FAILED_OVER
+    loop.advance_to(32.5)
+    assert changes == [(10.0, "db"), (32.5, "db")]
     assert router.exclude("db", "b") == ["c"]
     assert router.failed_over() == {}
+    assert loop.pending_timers() == []
+
+
+def test_a_link_dropping_every_two_seconds_fails_over_at_its_third_drop(loop: VirtualTimeLoop) -> None:
+    router, changes = make_router(loop)
+    for name in ("b", "c"):
+        router.track("db", name)
+        router.report("db", name, up=True, caught_up=True)
+    for drop in (1.0, 3.0):
+        loop.advance_to(drop)
+        router.report("db", "c", up=False)
+        loop.advance_to(drop + 0.5)
+        router.report("db", "c", up=True, caught_up=True)
+    loop.advance_to(5.0)
+    assert changes == [] and router.mode("db", "c") is Mode.DIRECT
+    router.report("db", "c", up=False)  # the third drop within failover_after: on the healthy path now
+    assert changes == [(5.0, "db")]
+    assert router.exclude("db", "b") == [] and router.failed_over() == {"db": ["c"]}
+    # It keeps dropping every 2 s until 19.0: each drop restarts the wait, so the route stays put.
+    for drop in range(7, 21, 2):
+        loop.advance_to(drop - 1.5)
+        router.report("db", "c", up=True, caught_up=True)
+        loop.advance_to(drop)
+        router.report("db", "c", up=False)
+    loop.advance_to(19.5)
+    router.report("db", "c", up=True, caught_up=True)
+    # Last drop at 19.0, up and caught up at 19.5 and stable since: back exactly failover_after later.
+    assert changes == [(5.0, "db")]
+    loop.advance_to(29.499)
+    assert router.mode("db", "c") is Mode.FAILED_OVER
+    loop.advance_to(29.5)
+    assert changes == [(5.0, "db"), (29.5, "db")]
+    assert router.exclude("db", "b") == ["c"]
+    loop.advance(100.0)
+    assert len(changes) == 2 and loop.pending_timers() == []
+
+
+def test_a_single_short_flap_changes_nothing(loop: VirtualTimeLoop) -> None:
+    router, changes = make_router(loop)
+    router.track("db", "c")
+    router.report("db", "c", up=True, caught_up=True)
+    loop.advance_to(1.0)
+    router.report("db", "c", up=False)
+    assert [timer.when() for timer in loop.pending_timers()] == [11.0]
+    loop.advance_to(1.5)
+    router.report("db", "c", up=True, caught_up=True)
+    assert loop.pending_timers() == []
+    loop.advance(100.0)
+    assert changes == [] and router.mode("db", "c") is Mode.DIRECT
+
+
+def test_flapping_counts_the_drops_of_the_last_failover_after_only(loop: VirtualTimeLoop) -> None:
+    router, changes = make_router(loop)
+    for name in ("c", "d"):
+        router.track("db", name)
+        router.report("db", name, up=True, caught_up=True)
+    # c: its third drop 10.001 s after the first finds two in the window; d: exactly 10 s after, three.
+    for name, drops in (("c", (1.0, 3.0, 11.001)), ("d", (21.0, 23.0, 31.0))):
+        for drop in drops:
+            loop.advance_to(drop)
+            router.report("db", name, up=False)
+            loop.advance_to(drop + 0.5)
+            router.report("db", name, up=True, caught_up=True)
+    assert changes == [(31.0, "db")]
+    assert router.failed_over() == {"db": ["d"]}
+
+
+def test_a_drop_while_waiting_to_move_back_restarts_the_wait(loop: VirtualTimeLoop) -> None:
+    router, changes = make_router(loop)
+    router.track("db", "c")
+    loop.advance_to(10.0)
+    assert changes == [(10.0, "db")]  # never connected
+    loop.advance_to(12.0)
+    router.report("db", "c", up=True, caught_up=True)
+    assert [timer.when() for timer in loop.pending_timers()] == [22.0]
+    loop.advance_to(20.0)
+    router.report("db", "c", up=False)
+    assert loop.pending_timers() == []  # down and failed over: nothing to wait for
+    loop.advance_to(20.5)
+    router.report("db", "c", up=True, caught_up=False)
+    assert loop.pending_timers() == []
+    loop.advance_to(21.0)
+    router.report("db", "c", up=True, caught_up=True)
+    assert [timer.when() for timer in loop.pending_timers()] == [31.0]
+    loop.advance_to(25.0)
+    router.report("db", "c", up=True, caught_up=False)  # behind again, still up: the wait goes on
+    loop.advance_to(30.999)
+    assert changes == [(10.0, "db")] and router.mode("db", "c") is Mode.FAILED_OVER
+    loop.advance_to(31.0)
+    assert changes == [(10.0, "db"), (31.0, "db")]
+    assert router.mode("db", "c") is Mode.DIRECT
 
 
 def test_a_flap_shorter_than_failover_after_changes_nothing(loop: VirtualTimeLoop) -> None:
@@ -108,9 +204,33 @@ def test_forget_and_close_cancel_every_timer(loop: VirtualTimeLoop) -> None:
     assert changes == [(0.0, "db")]
     assert router.exclude("db", "x") == ["b"]
     router.close()
+    assert loop.pending_timers() == []
     loop.advance(60.0)
     assert changes == [(0.0, "db")]
     assert router.mode("db", "b") is None and router.mode("db2", "c") is None
+
+
+def test_forget_and_close_leave_no_timer_in_either_waiting_state(loop: VirtualTimeLoop) -> None:
+    router, changes = make_router(loop)
+    for name in ("b", "c", "d"):
+        router.track("db", name)
+    loop.advance_to(10.0)  # none connected: all three fail over
+    assert changes == [(10.0, "db")] * 3
+    for name in ("c", "d"):
+        router.report("db", name, up=True, caught_up=True)  # c and d wait to move back, b stays down
+    router.report("db", "b", up=True)
+    loop.advance_to(11.0)
+    router.report("db", "b", up=False)
+    router.track("db2", "b")  # DIRECT and down: waits to fail over
+    assert sorted(timer.when() for timer in loop.pending_timers()) == [20.0, 20.0, 21.0]
+    router.forget("db", "c")
+    assert sorted(timer.when() for timer in loop.pending_timers()) == [20.0, 21.0]
+    router.forget("db", "b")  # a failed-over link that is down owns no timer
+    assert sorted(timer.when() for timer in loop.pending_timers()) == [20.0, 21.0]
+    router.close()
+    assert loop.pending_timers() == []
+    loop.advance(60.0)
+    assert changes == [(10.0, "db")] * 3 + [(11.0, "db")] * 2
 
 
 # -- through the node: route changes become subscriptions, on the stagger ---------------------------------------------
@@ -162,7 +282,10 @@ def test_the_node_resubscribes_the_other_pairs_when_an_origin_fails_over_and_bac
     node.on_worker_message(c_entry.worker, _progress(views["c"].url, "db", c_entry.worker, 2, False))
     loop.advance(5.0)
     assert supervisor.of(messages.Subscribe) == []  # up but not caught up: the route stays
+    caught_up_at = loop.time()
     node.on_worker_message(c_entry.worker, _progress(views["c"].url, "db", c_entry.worker, 2, True))
+    loop.advance_to(caught_up_at + FAILOVER - 0.001)
+    assert supervisor.of(messages.Subscribe) == []  # caught up, not yet stable for failover_after
     loop.advance(5.0)
     back = sorted((m.peer, tuple(m.exclude)) for _, _, m in supervisor.of(messages.Subscribe))
     assert back == [("b", ("c", "d")), ("d", ("b", "c"))]

@@ -67,7 +67,7 @@ def _sender(store: Store, loop: VirtualTimeLoop, reports: list[Any]) -> tuple[Se
     store.on_commit = feeds.committed
     feeds.start(loop)
     config = from_mapping({"node": {"name": "n", "url": "wss://127.0.0.1:1"}}, "")
-    ctx = SimpleNamespace(config=config, counters=Counters(), feeds=feeds, report=reports.append, node="n")
+    ctx = SimpleNamespace(config=config, counters=Counters(), feeds=feeds, report=reports.append, node="n", worker_id=0)
     ws = Socket()
     return Sender(ctx, ws, "p"), ws, feeds  # type: ignore[arg-type]
 
@@ -80,7 +80,7 @@ def test_an_idle_session_reads_nothing_until_a_commit(store: Store, loop: Virtua
     db = store.database("db", create=True)
     db.put("t", "a", _value(1))
     sender, ws, feeds = _sender(store, loop, [])
-    serving = loop.create_task(sender._serve(db, {}, frozenset(), {"p": 0}))
+    serving = loop.create_task(sender._serve(db, OriginPlan({}, frozenset(), {"p": 0})))
     loop.advance(0.0)
     assert ws.ids() == ["a"] and reads == [0.0, 0.0]  # the record, then nothing more: caught up
     loop.advance_to(600.0)
@@ -100,7 +100,7 @@ def test_a_commit_made_while_telling_the_subscriber_it_caught_up_is_served_at_on
     sender, ws, feeds = _sender(store, loop, [])
     # The commit lands during the send of the empty caught-up batch: its wake-up came before the sender waited.
     ws.during_send = lambda: db.put("t", "late", _value(1))
-    serving = loop.create_task(sender._serve(db, {}, frozenset(), {"p": 0}))
+    serving = loop.create_task(sender._serve(db, OriginPlan({}, frozenset(), {"p": 0})))
     loop.advance(0.0)
     first = ws.sent[0]
     assert isinstance(first, wire.Batch) and first.caught_up and not first.entries
@@ -155,6 +155,7 @@ def test_the_subscribers_holds_wake_on_commits_and_read_nothing_at_rest(
     feeds.start(loop)
     session = object.__new__(PeerSession)
     session._ctx = SimpleNamespace(feeds=feeds)  # type: ignore[assignment]
+    session._peer_heads, session.ahead = {}, {}  # no Heads from this peer
     ws = Socket()
     holds = loop.create_task(session._send_holds(ws, db, {}, asyncio.Lock()))
     db.apply_batch([], {"q": 1})  # what a session applies from a peer moves the holds

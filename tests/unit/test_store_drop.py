@@ -1,5 +1,5 @@
-"""Deleting a database cluster-wide, as the store sees it: the deletion floor (`Database.drop_through`), the files
-born with it, and the removal of a database's file (`Store.block` / `Store.remove`)."""
+"""Deleting a database cluster-wide, as the store sees it: the deletion floors per origin (`Database.drop_through`),
+the files born with them, and the removal of a database's file (`Store.block` / `Store.remove`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,17 @@ from pathlib import Path
 import pytest
 
 from replicator.shared import dropped
-from replicator.shared.store import SYSTEM, BadRecord, Database, DatabaseRemoving, Store, UnknownDatabase
+from replicator.shared.store import (
+    NO_DELETION,
+    SYSTEM,
+    BadName,
+    BadRecord,
+    Database,
+    DatabaseRemoving,
+    DeletionFloors,
+    Store,
+    UnknownDatabase,
+)
 from replicator.shared.wire import Entry
 from replicator.workers.dropped import DroppedDatabase
 from tests.unit.test_store import FakeClock, rec
@@ -38,6 +48,15 @@ def _audit_versions(db: Database) -> list[int]:
         return [version for (version,) in conn.execute("SELECT version FROM audit ORDER BY seq")]
 
 
+def every(floor: int) -> DeletionFloors:
+    """The floor of a marker of an earlier version: every origin up to it."""
+    return DeletionFloors(every=floor)
+
+
+def per_origin(**floors: int) -> DeletionFloors:
+    return DeletionFloors(origins=floors)
+
+
 def _mixed(db: Database) -> list[Entry]:
     """Records of three origins in two tables, tombstones among them, at versions 10..160; all applied to `db`."""
     entries = [
@@ -49,20 +68,20 @@ def _mixed(db: Database) -> list[Entry]:
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 20_000])
-def test_drop_through_removes_everything_at_or_below_the_floor(
-    store: Store, tmp_path: Path, clock: FakeClock, chunk: int
+@pytest.mark.parametrize("floors", [every(100), per_origin(b=60, c=120, d=170)], ids=["every", "per-origin"])
+def test_drop_through_removes_everything_the_floors_cover(
+    store: Store, tmp_path: Path, clock: FakeClock, chunk: int, floors: DeletionFloors
 ) -> None:
     db = store.database("main", create=True)
     entries = _mixed(db)
-    floor = 100
-    survivors = [entry for entry in entries if entry.version > floor]
+    survivors = [entry for entry in entries if not floors.covers(entry.origin, entry.version)]
     assert 0 < len(survivors) < len(entries)
 
-    assert db.drop_through(floor, chunk=chunk) == len(entries) - len(survivors)
+    assert db.drop_through(floors, chunk=chunk) == len(entries) - len(survivors)
 
     assert _rows(db) == sorted((e.table, e.id, e.version, e.origin, int(e.tombstone)) for e in survivors)
     assert _audit_versions(db) == [entry.version for entry in survivors]
-    assert db.dropped_floor == db.dropped_purged == floor
+    assert db.dropped_floor == db.dropped_purged == floors
     # The bucket digests moved with every row that went: they are what a file that only ever held the survivors
     # has, and what the rows add up to.
     with Store(tmp_path / "fresh", "a", clock=clock) as fresh_store:
@@ -75,43 +94,47 @@ def test_drop_through_removes_everything_at_or_below_the_floor(
     assert db.check_digests() == 0
 
 
-def test_entries_at_or_below_the_floor_do_not_win(store: Store) -> None:
+def test_entries_the_floors_cover_do_not_win(store: Store) -> None:
     db = store.database("main", create=True)
-    db.drop_through(100)
+    db.drop_through(per_origin(b=100, c=100))
     old = [rec("x", 50, "b"), rec("y", 100, "c", tomb=True)]
     assert db.apply_batch(old, {"b": 100}) == 0  # not an error: they just do not win
     assert _rows(db) == []
     assert db.origins()["b"].complete == 100  # the marks still count
-    assert db.apply_batch([rec("x", 60, "b"), rec("z", 101, "c")]) == 1
-    assert [row[1:3] for row in _rows(db)] == [("z", 101)]
+    # Above an origin's floor, or of an origin the deleting node had not seen: written after the deletion.
+    assert db.apply_batch([rec("x", 60, "b"), rec("z", 101, "c"), rec("w", 7, "d")]) == 2
+    assert [row[1:4] for row in _rows(db)] == [("w", 7, "d"), ("z", 101, "c")]
     assert db.get("t", "x") is None and db.get("t", "z") is not None
 
 
-def test_local_writes_land_above_a_floor_ahead_of_the_clock(store: Store, clock: FakeClock) -> None:
+def test_local_writes_land_above_the_own_floor_ahead_of_the_clock(store: Store, clock: FakeClock) -> None:
     db = store.database("main", create=True)
     ahead = clock.us + 30_000_000
-    db.drop_through(ahead)
+    db.drop_through(per_origin(a=ahead, b=ahead + 10**9))
     assert db.put("t", "new", b"v") > ahead
     assert all(version > ahead for version in db.put_many("t", [("more", b"v"), ("most", b"v")]))
     assert db.delete("t", "new") > ahead
+    assert db.get("t", "more") is not None  # not covered: the floor of this node's origin is below them
 
 
-def test_the_floor_only_rises(store: Store) -> None:
+def test_the_floors_only_rise(store: Store) -> None:
     db = store.database("main", create=True)
-    db.apply_batch([rec("x", 50, "b"), rec("y", 150, "b")])
-    assert db.drop_through(100) == 1
-    assert db.drop_through(80) == 0  # an older marker arriving late changes nothing
-    assert db.dropped_floor == db.dropped_purged == 100
-    assert db.drop_through(200) == 1
-    assert db.dropped_floor == db.dropped_purged == 200
+    db.apply_batch([rec("x", 50, "b"), rec("y", 150, "b"), rec("z", 150, "c")])
+    assert db.drop_through(per_origin(b=100)) == 1
+    assert db.drop_through(per_origin(b=80)) == 0  # an older marker arriving late changes nothing
+    assert db.dropped_floor == db.dropped_purged == per_origin(b=100)
+    assert db.drop_through(per_origin(b=200, c=150)) == 2
+    assert db.dropped_floor == db.dropped_purged == per_origin(b=200, c=150)
     assert db.is_empty()
 
 
 def test_drop_through_refuses_a_floor_out_of_range(store: Store) -> None:
     db = store.database("main", create=True)
     with pytest.raises(BadRecord):
-        db.drop_through(0)
-    assert db.dropped_floor == 0
+        db.drop_through(per_origin(b=-1))
+    with pytest.raises(BadName):
+        db.drop_through(per_origin(**{"bad name": 5}))
+    assert db.dropped_floor == NO_DELETION
 
 
 def test_an_interrupted_purge_is_not_counted_as_done(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -129,13 +152,13 @@ def test_an_interrupted_purge_is_not_counted_as_done(store: Store, monkeypatch: 
 
     monkeypatch.setattr(db, "_write", failing_after_the_floor)
     with pytest.raises(sqlite3.OperationalError):
-        db.drop_through(100, chunk=2)
+        db.drop_through(every(100), chunk=2)
     monkeypatch.undo()
     # The floor holds (nothing it covers is applied any more), but the file is not purged through it yet.
-    assert db.dropped_floor == 100 and db.dropped_purged == 0
+    assert db.dropped_floor == every(100) and db.dropped_purged == NO_DELETION
     assert db.apply_batch([rec("late", 90, "b")]) == 0
-    db.drop_through(100)
-    assert db.dropped_purged == 100
+    db.drop_through(every(100))
+    assert db.dropped_purged == every(100)
     assert all(row[2] > 100 for row in _rows(db))
 
 
@@ -149,32 +172,43 @@ def test_is_empty_counts_tombstones(store: Store) -> None:
 # -- markers and files born after a deletion ---------------------------------------------------------------------
 
 
-def test_markers_give_each_deleted_database_its_floor(store: Store) -> None:
+def test_markers_give_each_deleted_database_its_floors(store: Store) -> None:
     system = store.database(SYSTEM, create=True)
-    assert dropped.floors(system) == {} and store.dropped_floor("typo") == 0
-    first = dropped.write(system, "typo", requested_by="a", at=1.0)
-    assert dropped.floors(system) == {"typo": first} and store.dropped_floor("typo") == first
-    again = dropped.write(system, "typo", requested_by="b", at=2.0)
-    assert again > first and dropped.floors(system) == {"typo": again}
+    assert dropped.floors(system) == {} and store.dropped_floor("typo") == NO_DELETION
+    dropped.write(system, "typo", requested_by="a", at=1.0, floors={"a": 10, "b": 20})
+    assert dropped.floors(system) == {"typo": per_origin(a=10, b=20)}
+    assert store.dropped_floor("typo") == per_origin(a=10, b=20)
+    # Another node's deletion counts beside it; the same node's again covers what its first one did.
+    dropped.write(system, "typo", requested_by="b", at=2.0, floors={"b": 15, "c": 30})
+    assert dropped.floors(system) == {"typo": per_origin(a=10, b=20, c=30)}
+    dropped.write(system, "typo", requested_by="a", at=3.0, floors={"a": 5, "d": 40})
+    assert dropped.floors(system) == {"typo": per_origin(a=10, b=20, c=30, d=40)}
     with pytest.raises(ValueError):
-        dropped.write(system, SYSTEM, requested_by="a", at=3.0)
-    # A marker a peer sent under a name no database can have, or for the system database, is not a floor.
-    system.apply_batch([rec("bad name", again + 1, "b", value=b"\x80", table="dropped")])
-    system.apply_batch([rec(SYSTEM, again + 2, "b", value=b"\x80", table="dropped")])
-    assert dropped.floors(system) == {"typo": again}
-    assert store.dropped_floor(SYSTEM) == 0
+        dropped.write(system, SYSTEM, requested_by="a", at=3.0, floors={})
+    # A marker of an earlier version (its id the name, its version the floor of every origin) still counts.
+    system.apply_batch([rec("old", 77, "b", value=b"\x80", table="dropped")])
+    assert dropped.floors(system)["old"] == every(77)
+    # A marker a peer sent under a name no database can have, for the system database, or that does not decode,
+    # is not a floor.
+    top = 10**6
+    system.apply_batch([rec("bad name", top + 1, "b", value=b"\x80", table="dropped")])
+    system.apply_batch([rec(SYSTEM, top + 2, "b", value=b"\x80", table="dropped")])
+    system.apply_batch([rec("typo@z", top + 3, "z", value=b"\x80", table="dropped")])
+    assert dropped.floors(system) == {"typo": per_origin(a=10, b=20, c=30, d=40), "old": every(77)}
+    assert store.dropped_floor(SYSTEM) == NO_DELETION
 
 
-def test_a_database_created_after_its_deletion_is_born_with_the_floor(store: Store, clock: FakeClock) -> None:
+def test_a_database_created_after_its_deletion_is_born_with_the_floors(store: Store, clock: FakeClock) -> None:
     system = store.database(SYSTEM, create=True)
     clock.advance(1)
-    floor = dropped.write(system, "typo", requested_by="a", at=1.0)
+    dropped.write(system, "typo", requested_by="b", at=1.0, floors={"b": 500})
     db = store.database("typo", create=True)
-    assert db.dropped_floor == db.dropped_purged == floor
-    assert db.apply_batch([rec("old", floor, "b")]) == 0
-    assert db.put("t", "new", b"v") > floor
+    assert db.dropped_floor == db.dropped_purged == per_origin(b=500)
+    assert db.apply_batch([rec("old", 500, "b")]) == 0
+    assert db.apply_batch([rec("new", 501, "b")]) == 1
+    assert db.put("t", "mine", b"v") > 0
     other = store.database("other", create=True)
-    assert other.dropped_floor == 0
+    assert other.dropped_floor == NO_DELETION
 
 
 # -- removing a database's file --------------------------------------------------------------------------------
@@ -207,7 +241,7 @@ def test_remove_deletes_only_an_empty_blocked_file(store: Store) -> None:
     assert store.path("main").exists()
     store.unblock("main")
     db = store.database("main")  # the handle was closed by remove(): a new one
-    db.drop_through(10)
+    db.drop_through(per_origin(b=10))
     (store.data_dir / "main.blobs").mkdir()
     (store.data_dir / "main.blobs" / ("0" * 64)).write_bytes(b"\xc0")  # a blob file of a record that is gone
     store.block("main")
@@ -232,14 +266,16 @@ def test_a_subscription_to_a_stale_peer_creates_nothing_until_a_newer_record(sto
 
     ctx = Ctx(store)
     clock.advance(1)
-    floor = dropped.write(store.database(SYSTEM, create=True), "typo", requested_by="a", at=1.0)
-    stand_in = DroppedDatabase(ctx, "typo", floor)  # type: ignore[arg-type]
-    assert stand_in.progress() == {} and not stand_in.recovering and stand_in.own_floor == 0
+    floor = 1000
+    dropped.write(store.database(SYSTEM, create=True), "typo", requested_by="a", at=1.0, floors={"b": floor, "c": 9})
+    floors = store.dropped_floor("typo")
+    stand_in = DroppedDatabase(ctx, "typo", floors)  # type: ignore[arg-type]
+    assert stand_in.progress() == {} and stand_in.own_history().asks == 0
     assert stand_in.apply_batch([rec("old", floor - 5, "b"), rec("older", 7, "c")], {"b": floor}) == 0
     assert not store.path("typo").exists() and ctx.opened == []
     assert stand_in.apply_batch([rec("old", floor - 1, "b"), rec("new", floor + 1, "b")], {"b": floor + 1}) == 1
     assert stand_in.created and ctx.opened == ["typo"]
     db = store.database("typo")
-    assert db.dropped_floor == floor
+    assert db.dropped_floor == floors
     assert [row[1] for row in _rows(db)] == ["new"]
     assert stand_in.progress() == {"b": floor + 1}

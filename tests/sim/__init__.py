@@ -1,0 +1,1 @@
+"""A deterministic simulation of the data plane (see `tests.sim.simulation`)."""

@@ -1,0 +1,233 @@
+"""What the simulation's clients were told, and what must hold of it.
+
+    acknowledged   every write and delete a node answered, with its version and when
+    lost           writes a fault took before any other node held them (the only copy's file lost, restored from
+                   an older backup, damaged): nothing can bring those back, and they are not asked for
+    deletions      every database deletion, with the floors it wrote and when
+
+Checks (a violation is a string naming the node, the record and what is wrong):
+
+    positions      at any time, a node's complete version of an origin promises every acknowledged write of it at or
+                   below: the node holds the record at that version or newer, or a deletion of it it was promised
+                   (then purged), or a deletion of the database covers it, or a newer version of the record from
+                   another origin supersedes it, whose own origin's position here has not reached it yet (the
+                   promise waits on that origin's stream) (invariant 13)
+    deletions      a database deletion covers only writes acknowledged before it was asked for (invariant 20)
+    final          after healing, every node holds the newest acknowledged operation of every record that no fault
+                   took, unless a deletion of the database covers it: a write at its version (or newer), a delete
+                   as absence (or something newer); nothing a deletion covers is left (invariants 17, 19, 20)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from replicator.shared.store import DeletionFloors
+from tests.sim.cluster import Cluster, SimNode
+
+Key = tuple[str, str, str]  # database, table, id
+
+
+@dataclass
+class Op:
+    node: str
+    version: int
+    value: bytes | None  # None: a delete
+    at: float  # virtual time of the acknowledgement
+    lost: bool = False
+
+
+@dataclass
+class Deletion:
+    database: str
+    node: str
+    floors: DeletionFloors
+    at: float
+    marker: int = 0  # the version of the marker it wrote in the node's system database
+    lost: bool = False  # its marker went with the node's system database before any other node had it
+
+
+@dataclass
+class Ledger:
+    ops: dict[Key, list[Op]] = field(default_factory=dict)
+    deletions: list[Deletion] = field(default_factory=list)
+
+    def acknowledged(self, key: Key, op: Op) -> None:
+        self.ops.setdefault(key, []).append(op)
+
+    def lose_markers(self, cluster: Cluster, node: SimNode, restored: bool = False) -> int:
+        """`node`'s system database is going: its deletions whose markers no other node holds go with it.
+        `restored`: it was replaced by a backup, already in place: a marker the backup holds is not gone."""
+        others = [other.rows("system") for other in cluster if restored or other is not node]
+        lost = 0
+        for deletion in self.deletions:
+            if deletion.lost or deletion.node != node.name:
+                continue
+            key = ("dropped", f"{deletion.database}@{deletion.node}")
+            if not any(rows.get(key, (0, "", False))[0] >= deletion.marker for rows in others):
+                deletion.lost = True
+                lost += 1
+        return lost
+
+    def deleted_before(self, database: str, op: Op) -> bool:
+        """Does a deletion asked for after `op` was acknowledged cover it? (One asked for before it that covers it
+        anyway, a clock gone back, say, does not count: what was written after a deletion survives it, written
+        again above it if need be: `shared.own_writes`.)"""
+        return any(
+            deletion.database == database
+            and not deletion.lost
+            and deletion.at >= op.at
+            and deletion.floors.covers(op.node, op.version)
+            for deletion in self.deletions
+        )
+
+    def covering(self, database: str) -> DeletionFloors:
+        covered = DeletionFloors()
+        for deletion in self.deletions:
+            if deletion.database == database and not deletion.lost:
+                covered = covered.merge(deletion.floors)
+        return covered
+
+    def lose_unreplicated(self, cluster: Cluster, node: SimNode, database: str, since: float = -1.0) -> int:
+        """`node`'s copy of `database` is going (a lost file, a restore from a backup taken at `since`). An operation
+        is lost with it when no other node holds its record at its version or newer, and no newer operation on the
+        record survives (the newest surviving one is what the record must end as): its own writes acknowledged
+        after `since`, and any other node's whose only trace was here (held, or under a newer version that went
+        too)."""
+        others = [other for other in cluster if other is not node and other.dir.exists()]
+        held = [other.rows(database) for other in others]
+        lost = 0
+        for (name, table, record_id), ops in self.ops.items():
+            if name != database:
+                continue
+            for op in sorted(ops, key=lambda op: (op.version, op.node), reverse=True):
+                if op.lost:
+                    continue
+                if any(_holds(rows.get((table, record_id)), op) for rows in held):
+                    break  # it survives, and so does what it superseded (as superseded)
+                if op.node == node.name and op.at <= since:
+                    break  # in the backup that replaces the file
+                op.lost = True
+                lost += 1
+        return lost
+
+    # -- checks ------------------------------------------------------------------------------------------------
+
+    def positions(self, cluster: Cluster) -> list[str]:
+        problems = []
+        for node in cluster.up():
+            assert node.store is not None
+            for database in node.files():
+                db = node.store.database(database)
+                complete = {origin: held.complete for origin, held in db.origins().items()}
+                # What a deletion covers no longer exists, wherever the marker has reached by now.
+                floors = db.dropped_floor.merge(self.covering(database))
+                rows = node.rows(database)
+                for (name, table, record_id), ops in self.ops.items():
+                    if name != database:
+                        continue
+                    row = rows.get((table, record_id))
+                    for op in ops:
+                        origin = op.node
+                        if op.lost or op.version > complete.get(origin, 0) or floors.covers(origin, op.version):
+                            continue
+                        if _holds(row, op) or (row is None and (op.value is None or _purged_delete(ops, op, complete))):
+                            continue  # held, superseded, or deleted (a delete's tombstone purged is still a delete)
+                        if _superseded_elsewhere(ops, op, complete) or _superseded_then_deleted(ops, op, floors):
+                            continue
+                        problems.append(
+                            f"{node.name}/{database}: complete for {origin} at {complete[origin]} but"
+                            f" {table}/{record_id}@{op.version} is {'absent' if row is None else row}"
+                        )
+        return problems
+
+    def deletions_cover_only_the_past(self, cluster: Cluster) -> list[str]:
+        """An operation acknowledged after a deletion that the deletion's floors cover must have been written again
+        above them (or superseded): it is not gone."""
+        problems = []
+        for deletion in self.deletions:
+            if deletion.lost:
+                continue
+            for (name, table, record_id), ops in self.ops.items():
+                if name != deletion.database:
+                    continue
+                for op in ops:
+                    if deletion.floors.covers(op.node, op.version) and op.at > deletion.at and not op.lost:
+                        if all(_holds(node.rows(name).get((table, record_id)), op) for node in cluster):
+                            continue  # written again above the floors, or superseded, on every node
+                        problems.append(
+                            f"the deletion of {name} by {deletion.node} at {deletion.at} covers"
+                            f" {table}/{record_id}@{op.version}, acknowledged later at {op.at}"
+                        )
+        return problems
+
+    def final(self, cluster: Cluster) -> list[str]:
+        problems = []
+        for node in cluster:
+            for (database, table, record_id), ops in sorted(self.ops.items()):
+                covered = self.covering(database)
+                rows = node.rows(database)
+                row = rows.get((table, record_id))
+                if row is not None and covered.covers(row[1], row[0]):
+                    problems.append(f"{node.name}/{database}: {table}/{record_id}@{row[0]} survived its deletion")
+                    continue
+                live = [op for op in ops if not op.lost]
+                if not live:
+                    continue
+                newest = max(live, key=lambda op: (op.version, op.node))
+                if self.deleted_before(database, newest):
+                    # Removed with the database. An older version of another origin that the deleting node had not
+                    # seen is concurrent with the deletion and may survive it, or not, where the newer one had
+                    # replaced it: either way the same on every node (the digests say).
+                    continue
+                if newest.value is None:
+                    if row is not None and (row[0], row[1]) <= (newest.version, newest.node):
+                        problems.append(
+                            f"{node.name}/{database}: {table}/{record_id} deleted at {newest.version} by"
+                            f" {newest.node} but holds {'a tombstone' if row[2] else 'a record'} at {row[0]}"
+                            + ("" if row[2] else " (the delete was undone)")
+                        )
+                    if row is not None and row[2] and (row[0], row[1]) == (newest.version, newest.node):
+                        problems.pop()  # the tombstone itself, not purged yet: still deleted
+                elif row is None or (row[0], row[1]) < (newest.version, newest.node):
+                    problems.append(
+                        f"{node.name}/{database}: {table}/{record_id} written at {newest.version} by {newest.node}"
+                        f" is {'missing' if row is None else f'older: {row}'}"
+                    )
+        return problems
+
+
+def _holds(row: tuple[int, str, bool] | None, op: Op) -> bool:
+    """Does a node's row reflect `op`: the same version of the record, or a newer one?"""
+    return row is not None and (row[0], row[1]) >= (op.version, op.node)
+
+
+def _superseded_elsewhere(ops: list[Op], op: Op, complete: dict[str, int]) -> bool:
+    """Was `op` superseded by a newer version of the record from another origin, one this node is not complete for
+    yet? A sender serves an origin's records as it holds them: a version another origin's newer write replaced is
+    not among them, and the mark it gives covers it through that newer version, which arrives with its own
+    origin's stream. The promise then waits on that origin's position (and is checked there)."""
+    return any(
+        not later.lost
+        and (later.version, later.node) > (op.version, op.node)
+        and complete.get(later.node, 0) < later.version
+        for later in ops
+    )
+
+
+def _superseded_then_deleted(ops: list[Op], op: Op, floors: DeletionFloors) -> bool:
+    """Was `op` superseded by a newer version of the record that a deletion of the database then removed?"""
+    return any(
+        (later.version, later.node) > (op.version, op.node) and floors.covers(later.node, later.version)
+        for later in ops
+    )
+
+
+def _purged_delete(ops: list[Op], op: Op, complete: dict[str, int]) -> bool:
+    """A record the node does not hold: was it deleted after `op`, by a delete the node was promised (and purged)?"""
+    return any(
+        later.value is None
+        and (later.version, later.node) > (op.version, op.node)
+        and complete.get(later.node, 0) >= later.version
+        for later in ops
+    )

@@ -1,0 +1,637 @@
+"""One seeded run of the data plane: clients write, delete and read while a nemesis combines faults; then every fault
+heals and the checker asks that nothing acknowledged was lost, no delete undone, and every node ends with the same
+digests within a bounded number of rounds (`tests.sim.checker`).
+
+    python -m tests.sim --seed 1234            replay one seed, with its trace
+    python -m tests.sim --seeds 1000           seeds 0..999; the failing ones are printed with the command above
+    python -m tests.sim --scenario lost-own    one of the scripted scenarios (`tests.sim.scenarios`)
+
+The nemesis: nodes stop and start (all their sessions end), a stopped node loses a file or its whole data directory
+or is restored from an older backup of itself, links go down and up (one direction at a time too), rows are
+damaged behind the store's back, clocks move within max_clock_skew, databases are deleted cluster-wide, retention
+prunes and purges. Everything is drawn from `random.Random(seed)`: the same seed is the same run.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from replicator.shared import dropped
+from replicator.shared.logs import log
+from replicator.shared.store import SYSTEM, DamagedRecord, Database, DatabaseRemoving, UnknownDatabase
+from replicator.workers.dropped import DroppedDatabase
+from tests.sim.checker import Deletion, Ledger, Op
+from tests.sim.cluster import Cluster, Pair, SessionEnded, Settings, SimNode, encode
+
+HEAL_ROUNDS = 12  # rounds after healing within which every node must hold the same data
+PUMP_LIMIT = 400  # batches per session per healing round
+
+
+def _root() -> Path:
+    """Where the runs' files go: memory-backed when the machine has /dev/shm."""
+    shm = Path("/dev/shm")
+    return Path(tempfile.mkdtemp(prefix="replicator-sim-", dir=shm if shm.is_dir() else None))
+
+
+@dataclass
+class Outcome:
+    seed: int | str
+    violations: list[str]
+    steps: int
+    writes: int
+    faults: int
+    trace: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+
+class Simulation:
+    def __init__(
+        self,
+        seed: int,
+        *,
+        steps: int = 240,
+        nodes: int | None = None,
+        shape: str | None = None,
+        databases: list[str] | None = None,
+        settings: Settings | None = None,
+    ) -> None:
+        self.seed = seed
+        self.rng = random.Random(seed)
+        rng = self.rng
+        count = nodes or rng.randint(3, 5)
+        names = [chr(ord("a") + i) for i in range(count)]
+        drawn = rng.choices(["mesh", "line", "star"], weights=[6, 2, 2])[0]
+        self.shape = shape or drawn
+        self.root = _root()
+        self.cluster = Cluster(self.root, names, topology(self.shape, names), settings or Settings())
+        drawn_databases = ["d0"] if rng.random() < 0.5 else ["d0", "d1"]
+        self.databases = databases or drawn_databases
+        self.ids = [f"r{i}" for i in range(rng.randint(6, 16))]
+        self.steps = steps
+        self.ledger = Ledger()
+        self.step = 0
+        self.faults = 0
+        self.backups: dict[str, tuple[Path, int]] = {}  # node -> (copy of its data directory, step it was taken)
+        # Rows the nemesis damaged: (node, database, table, id, version, origin), until the node holds another row.
+        self.damaged: set[tuple[str, str, str, str, int, str]] = set()
+        self.violations: list[str] = []
+
+    # -- the run -------------------------------------------------------------------------------------------------
+
+    def run(self, script: Callable[[Simulation], None] | None = None) -> Outcome:
+        """The run: random steps (or `script`, a scenario driving the same primitives), then healing and the
+        checks."""
+        # The nodes' own log lines (a checksum failure found by a scrub, say) are the trace's business, not stderr's.
+        threshold = log.threshold
+        log.configure(level="error")
+        try:
+            return self._run(script)
+        finally:
+            log.threshold = threshold
+
+    def _run(self, script: Callable[[Simulation], None] | None) -> Outcome:
+        cluster = self.cluster
+        cluster.trace(f"seed {self.seed}: {len(cluster.nodes)} nodes, {self.shape}, databases {self.databases}")
+        try:
+            for node in cluster:
+                node.start()
+            if script is not None:
+                script(self)
+            else:
+                for _ in range(self.steps):
+                    self.step += 1
+                    self._act()
+                    if self.step % 20 == 0:
+                        self._check_positions()
+            self._heal()
+            self._check_positions()
+            self.violations += self.ledger.deletions_cover_only_the_past(cluster)
+            self.violations += self.ledger.final(cluster)
+            self._check_digests()
+        finally:
+            cluster.close()
+            for copy, _ in self.backups.values():
+                shutil.rmtree(copy, ignore_errors=True)
+        writes = sum(len(ops) for ops in self.ledger.ops.values())
+        return Outcome(self.seed, self.violations, self.step, writes, self.faults, cluster.log)
+
+    # -- what a scripted scenario drives ------------------------------------------------------------------------
+
+    def put(self, name: str, database: str, record_id: str, value: object) -> int:
+        self.step += 1
+        node = self.cluster.nodes[name]
+        data = encode(value)
+        version = node.database(database, create=True).put("t", record_id, data)
+        self._acknowledged(node, database, record_id, version, data)
+        return version
+
+    def delete(self, name: str, database: str, record_id: str) -> int | None:
+        self.step += 1
+        node = self.cluster.nodes[name]
+        version = node.database(database, create=True).delete("t", record_id)
+        if version is not None:
+            self._acknowledged(node, database, record_id, version, None)
+        return version
+
+    def settle(self, rounds: int = 3) -> None:
+        """The streams run until every session is caught up (no anti-entropy, no retention, no faults)."""
+        for _ in range(rounds):
+            for node in self.cluster.up():
+                self._connect_all(node)
+            self._pump()
+            for node in self.cluster.up():
+                node.check_recoveries()
+        self._check_positions()
+
+    def stop(self, name: str) -> None:
+        self.step += 1
+        self.cluster.nodes[name].stop()
+        self.cluster.trace(f"{name} stopped")
+
+    def start(self, name: str) -> None:
+        self.step += 1
+        self.cluster.nodes[name].start()
+        self.cluster.trace(f"{name} started")
+
+    def wipe(self, name: str) -> None:
+        node = self.cluster.nodes[name]
+        assert not node.up
+        for path in node.dir.glob("*.sqlite"):
+            self.ledger.lose_unreplicated(self.cluster, node, path.name[: -len(".sqlite")])
+        self.ledger.lose_markers(self.cluster, node)
+        shutil.rmtree(node.dir)
+        self.cluster.trace(f"{name} wiped")
+
+    def cut(self, dialler: str, target: str) -> None:
+        self.cluster.cut.add((dialler, target))
+        for pair in list(self.cluster.nodes[dialler].pairs.values()):
+            if pair.peer == target:
+                self.cluster.disconnect(pair)
+        self.cluster.trace(f"cut {dialler}->{target}")
+
+    def heal_link(self, dialler: str, target: str) -> None:
+        self.cluster.cut.discard((dialler, target))
+        self.cluster.trace(f"healed {dialler}->{target}")
+
+    def delete_database(self, name: str, database: str) -> None:
+        self.step += 1
+        node = self.cluster.nodes[name]
+        assert node.store is not None
+        floors = dropped.seen(node.store.database(database).origins())
+        marker = dropped.write(node.store.database(SYSTEM), database, requested_by=name, at=node.wall(), floors=floors)
+        covered = node.store.dropped_floor(database)
+        self.ledger.deletions.append(Deletion(database, name, covered, self.step, marker))
+        self.cluster.trace(f"{name} deleted {database}: {floors}")
+
+    def rounds(self) -> None:
+        """An anti-entropy round over every connected pair, both ways."""
+        for node in self.cluster.up():
+            for pair in list(node.pairs.values()):
+                if pair.connected:
+                    self.cluster.round(node, pair)
+
+    def _act(self) -> None:
+        rng = self.rng
+        roll = rng.random()
+        if roll < 0.35:
+            self._client()
+        elif roll < 0.45:
+            self._connect(rng.choice(self.cluster.up() or [None]))
+        elif roll < 0.60:
+            self._send()
+        elif roll < 0.76:
+            self._deliver()
+        elif roll < 0.80:
+            self._round()
+        elif roll < 0.83:
+            self._retention(rng.choice(self.cluster.up() or [None]))
+        elif roll < 0.86:
+            self._drops(rng.choice(self.cluster.up() or [None]))
+        elif roll < 0.88:
+            self._scrub()
+        elif roll < 0.94:
+            self.cluster.loop.advance(rng.uniform(0.05, 4.0))
+        else:
+            self._fault()
+
+    # -- clients -------------------------------------------------------------------------------------------------
+
+    def _client(self) -> None:
+        rng = self.rng
+        up = self.cluster.up()
+        if not up:
+            return
+        node = rng.choice(up)
+        database = rng.choice(self.databases)
+        record_id = rng.choice(self.ids)
+        try:
+            db = node.database(database, create=True)
+            if rng.random() < 0.75:
+                value = encode({"by": node.name, "step": self.step})
+                version = db.put("t", record_id, value)
+                self._acknowledged(node, database, record_id, version, value)
+            else:
+                version_or_none = db.delete("t", record_id)
+                if version_or_none is not None:
+                    self._acknowledged(node, database, record_id, version_or_none, None)
+        except (DamagedRecord, DatabaseRemoving):
+            return  # answered 503: nothing acknowledged
+
+    def _acknowledged(self, node: SimNode, database: str, record_id: str, version: int, value: bytes | None) -> None:
+        self.ledger.acknowledged((database, "t", record_id), Op(node.name, version, value, self.step))
+
+    # -- sessions ------------------------------------------------------------------------------------------------
+
+    def _connect(self, node: SimNode | None) -> None:
+        if node is None:
+            return
+        cluster = self.cluster
+        cluster.sync_pairs(node)
+        for key in sorted(node.renew):
+            pair = node.pairs.get(key)
+            if pair is not None:
+                cluster.disconnect(pair)
+            node.renew.discard(key)
+        for pair in list(node.pairs.values()):
+            if pair.session is None and self.rng.random() < 0.8:
+                cluster.connect(node, pair)
+        node.check_recoveries()
+
+    def _send(self) -> None:
+        sessions = self.cluster.sessions()
+        if sessions:
+            self.rng.choice(sessions).send()
+
+    def _deliver(self) -> None:
+        sessions = [session for session in self.cluster.sessions() if session.in_flight]
+        if sessions:
+            self._deliver_one(self.rng.choice(sessions))
+
+    def _deliver_one(self, session: object) -> None:
+        from tests.sim.cluster import Session
+
+        assert isinstance(session, Session)
+        try:
+            session.deliver()
+        except SessionEnded as exc:
+            self.cluster.end(session, str(exc))
+            return
+        target = session.target
+        if isinstance(target, DroppedDatabase) and target.created:
+            session.subscriber.holds.add(session.database)
+
+    def _round(self) -> None:
+        pairs = [(node, pair) for node in self.cluster.up() for pair in node.pairs.values() if pair.connected]
+        if pairs:
+            node, pair = self.rng.choice(pairs)
+            self.cluster.round(node, pair)
+
+    def _retention(self, node: SimNode | None) -> None:
+        if node is not None:
+            node.tombstone_purge()
+
+    def _drops(self, node: SimNode | None) -> None:
+        if node is not None:
+            for name in node.apply_drops():
+                self.cluster.trace(f"{node.name} removed {name}")
+
+    def _scrub(self) -> None:
+        up = self.cluster.up()
+        if up:
+            node = self.rng.choice(up)
+            for name in node.files():
+                self.cluster.scrub(node, name)
+
+    # -- the nemesis ---------------------------------------------------------------------------------------------
+
+    def _fault(self) -> None:
+        rng = self.rng
+        cluster = self.cluster
+        kinds: list[tuple[str, Callable[[], bool]]] = [
+            ("stop", self._stop),
+            ("start", self._start),
+            ("restart", self._restart),
+            ("wipe", self._wipe),
+            ("lose a file", self._lose_file),
+            ("cut", self._cut),
+            ("heal", self._heal_link),
+            ("damage", self._damage),
+            ("clock", self._clock),
+            ("delete database", self._delete_database),
+            ("backup", self._backup),
+            ("restore", self._restore),
+        ]
+        weights = [5, 6, 3, 2, 2, 5, 5, 3, 2, 2, 2, 2]
+        name, fault = rng.choices(kinds, weights=weights)[0]
+        if fault():
+            self.faults += 1
+            cluster.trace(f"fault: {name}")
+
+    def _stop(self) -> bool:
+        up = self.cluster.up()
+        if len(up) <= 1:
+            return False
+        node = self.rng.choice(up)
+        node.stop()
+        self.cluster.trace(f"{node.name} stopped")
+        return True
+
+    def _start(self) -> bool:
+        down = [node for node in self.cluster if not node.up]
+        if not down:
+            return False
+        node = self.rng.choice(down)
+        node.start()
+        self.cluster.trace(f"{node.name} started")
+        return True
+
+    def _restart(self) -> bool:
+        up = self.cluster.up()
+        if not up:
+            return False
+        node = self.rng.choice(up)
+        node.stop()
+        node.start()
+        self.cluster.trace(f"{node.name} restarted")
+        return True
+
+    def _only_healthy_copy(self, node: SimNode) -> bool:
+        """Does `node` hold the only healthy copy of a row the nemesis damaged elsewhere? Then losing its files
+        would leave a damage no repair can undo (the data API answers 503 for that record until it is written
+        again), which the nemesis does not combine."""
+        for holder, database, table, record_id, version, origin in sorted(self.damaged):
+            held = self.cluster.nodes[holder].rows(database).get((table, record_id))
+            if held is None or held[:2] != (version, origin):
+                self.damaged.discard((holder, database, table, record_id, version, origin))
+                continue  # replaced since
+            healthy = [
+                other
+                for other in self.cluster
+                if other.name not in (holder,)
+                and other.rows(database).get((table, record_id), (0, "", False))[:2] == (version, origin)
+                and (other.name, database, table, record_id, version, origin) not in self.damaged
+            ]
+            if healthy == [node]:
+                return True
+        return False
+
+    def _wipe(self) -> bool:
+        down = [
+            node for node in self.cluster if not node.up and node.dir.exists() and not self._only_healthy_copy(node)
+        ]
+        if not down:
+            return False
+        node = self.rng.choice(down)
+        for path in node.dir.glob("*.sqlite"):
+            lost = self.ledger.lose_unreplicated(self.cluster, node, path.name[: -len(".sqlite")])
+            self.cluster.trace(f"{node.name} wiped: {path.name} ({lost} writes only it held)")
+        if self.ledger.lose_markers(self.cluster, node):
+            self.cluster.trace(f"{node.name} wiped: a deletion only it had asked for is gone with it")
+        shutil.rmtree(node.dir)
+        return True
+
+    def _lose_file(self) -> bool:
+        down = [
+            node
+            for node in self.cluster
+            if not node.up and any(node.dir.glob("*.sqlite")) and not self._only_healthy_copy(node)
+        ]
+        if not down:
+            return False
+        node = self.rng.choice(down)
+        path = self.rng.choice(sorted(node.dir.glob("*.sqlite")))
+        database = path.name[: -len(".sqlite")]
+        lost = self.ledger.lose_unreplicated(self.cluster, node, database)
+        if database == SYSTEM and self.ledger.lose_markers(self.cluster, node):
+            self.cluster.trace(f"{node.name} lost a deletion only it had asked for")
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{path}{suffix}").unlink(missing_ok=True)
+        self.cluster.trace(f"{node.name} lost {database} ({lost} writes only it held)")
+        return True
+
+    def _cut(self) -> bool:
+        links = [(a, b) for a, peers in self.cluster.topology.items() for b in peers]
+        link = self.rng.choice(links)
+        both = self.rng.random() < 0.5
+        cut = [link, (link[1], link[0])] if both else [link]
+        for dialler, target in cut:
+            self.cluster.cut.add((dialler, target))
+            node = self.cluster.nodes[dialler]
+            for pair in list(node.pairs.values()):
+                if pair.peer == target:
+                    self.cluster.disconnect(pair)
+        self.cluster.trace(f"cut {' and '.join(f'{a}->{b}' for a, b in cut)}")
+        return True
+
+    def _heal_link(self) -> bool:
+        if not self.cluster.cut:
+            return False
+        link = self.rng.choice(sorted(self.cluster.cut))
+        self.cluster.cut.discard(link)
+        self.cluster.trace(f"healed {link[0]}->{link[1]}")
+        return True
+
+    def _damage(self) -> bool:
+        """Damage a row behind the store's back, one that another node holds at the same version (a row whose only
+        copy is damaged is a loss no repair can undo; the data API answers 503 for it until it is written again)."""
+        up = self.cluster.up()
+        if not up:
+            return False
+        node = self.rng.choice(up)
+        database = self.rng.choice(self.databases)
+        rows = node.rows(database)
+        candidates = [
+            key
+            for key, row in sorted(rows.items())
+            if (node.name, database, *key, row[0], row[1]) not in self.damaged
+            and any(
+                other is not node
+                and other.rows(database).get(key) == row
+                and (other.name, database, *key, row[0], row[1]) not in self.damaged
+                for other in self.cluster
+            )
+        ]
+        if not candidates:
+            return False
+        table, record_id = self.rng.choice(candidates)
+        version, origin, _ = rows[(table, record_id)]
+        self.damaged.add((node.name, database, table, record_id, version, origin))
+        assert node.store is not None
+        db = node.store.database(database)
+        with db._lock:
+            db._conn.execute("UPDATE records SET value = X'00' WHERE tbl = ? AND id = ?", (table, record_id))
+        self.cluster.trace(f"{node.name}/{database}: damaged {table}/{record_id}")
+        return True
+
+    def _clock(self) -> bool:
+        node = self.rng.choice(list(self.cluster))
+        # Every pair of nodes stays within max_clock_skew of each other: each within half of it of true time.
+        bound = self.cluster.settings.max_clock_skew * 0.45
+        node.skew = self.rng.uniform(-bound, bound)
+        self.cluster.trace(f"{node.name}'s clock now {node.skew:+.1f} s")
+        return True
+
+    def _delete_database(self) -> bool:
+        up = [node for node in self.cluster.up() if any(name != SYSTEM for name in node.files())]
+        if not up:
+            return False
+        node = self.rng.choice(up)
+        name = self.rng.choice([name for name in node.files() if name != SYSTEM])
+        assert node.store is not None
+        try:
+            held = node.store.database(name).origins()
+        except (UnknownDatabase, DatabaseRemoving):
+            return False
+        floors = dropped.seen(held)
+        marker = dropped.write(node.store.database(SYSTEM), name, requested_by=node.name, at=node.wall(), floors=floors)
+        covered = node.store.dropped_floor(name)
+        self.ledger.deletions.append(Deletion(name, node.name, covered, self.step, marker))
+        self.cluster.trace(f"{node.name} deleted {name}: {floors}")
+        return True
+
+    def _backup(self) -> bool:
+        down = [node for node in self.cluster if not node.up and node.dir.exists() and node.name not in self.backups]
+        if not down:
+            return False
+        node = self.rng.choice(down)
+        copy = self.root.parent / f"{self.root.name}-backup-{node.name}"
+        shutil.copytree(node.dir, copy)
+        self.backups[node.name] = (copy, self.step)
+        self.cluster.trace(f"{node.name} backed up")
+        return True
+
+    def _restore(self) -> bool:
+        down = [
+            node
+            for node in self.cluster
+            if not node.up and node.name in self.backups and not self._only_healthy_copy(node)
+        ]
+        if not down:
+            return False
+        node = self.rng.choice(down)
+        copy, taken = self.backups.pop(node.name)
+        for path in node.dir.glob("*.sqlite") if node.dir.exists() else []:
+            self.ledger.lose_unreplicated(self.cluster, node, path.name[: -len(".sqlite")], since=taken)
+        shutil.rmtree(node.dir, ignore_errors=True)
+        shutil.move(copy, node.dir)
+        self.ledger.lose_markers(self.cluster, node, restored=True)
+        self.cluster.trace(f"{node.name} restored from its backup of step {taken}")
+        return True
+
+    # -- healing and the checks -----------------------------------------------------------------------------------
+
+    def _heal(self) -> None:
+        cluster = self.cluster
+        cluster.trace("heal: every node up, every link up")
+        cluster.cut.clear()
+        for node in cluster:
+            if not node.up:
+                node.start()
+        settings = cluster.settings
+        # Past the retention: what every holder has may be purged now.
+        cluster.loop.advance(settings.tombstone_retention + settings.failover_after + 1)
+        for attempt in range(HEAL_ROUNDS):
+            for node in cluster:
+                self._connect_all(node)
+            self._pump()
+            for node in cluster:
+                for name in node.apply_drops():
+                    cluster.trace(f"{node.name} removed {name}")
+            for node in cluster:
+                self._connect_all(node)
+            self._pump()
+            for node in cluster:
+                for name in node.files():
+                    cluster.scrub(node, name)
+                for pair in list(node.pairs.values()):
+                    if pair.connected:
+                        cluster.round(node, pair)
+            for node in cluster:
+                node.tombstone_purge()
+                node.check_recoveries()
+            cluster.loop.advance(settings.failover_after + 1)
+            if attempt >= 2 and not self._differences():
+                cluster.trace(f"healed: equal after {attempt + 1} rounds")
+                return
+
+    def _connect_all(self, node: SimNode) -> None:
+        cluster = self.cluster
+        cluster.sync_pairs(node)
+        for key in sorted(node.renew):
+            pair = node.pairs.get(key)
+            if pair is not None:
+                cluster.disconnect(pair)
+        node.renew.clear()
+        for pair in list(node.pairs.values()):
+            cluster.connect(node, pair)
+
+    def _pump(self) -> None:
+        """Every session sends and delivers until it is caught up (or PUMP_LIMIT batches)."""
+        for session in self.cluster.sessions():
+            for _ in range(PUMP_LIMIT):
+                sent = session.send()
+                if session.in_flight:
+                    self._deliver_one(session)
+                    pair = session.subscriber.pairs.get((session.sender.name, session.database))
+                    if pair is None or pair.session is not session:
+                        break
+                elif not sent:
+                    break
+            node = session.subscriber
+            for key in sorted(node.renew):
+                pair = node.pairs.get(key)
+                if pair is not None:
+                    self.cluster.disconnect(pair)
+                    self.cluster.connect(node, pair)
+                node.renew.discard(key)
+
+    def _differences(self) -> list[str]:
+        cluster = self.cluster
+        names = sorted({name for node in cluster for name in node.files()})
+        found = []
+        for name in names:
+            digests = {}
+            for node in cluster:
+                assert node.store is not None
+                digests[node.name] = node.store.database(name).digest() if name in node.files() else None
+            if len({repr(digest) for digest in digests.values()}) > 1:
+                found.append(f"{name} differs: " + ", ".join(f"{n}={_short(d)}" for n, d in sorted(digests.items())))
+        return found
+
+    def _check_digests(self) -> None:
+        self.violations += [f"after {HEAL_ROUNDS} rounds: {difference}" for difference in self._differences()]
+
+    def _check_positions(self) -> None:
+        self.violations += [f"step {self.step}: {problem}" for problem in self.ledger.positions(self.cluster)]
+
+
+def _short(digest: object) -> str:
+    if digest is None:
+        return "absent"
+    assert isinstance(digest, dict)
+    return "/".join(f"{table}:{cell['count']}:{str(cell['digest'])[:8]}" for table, cell in sorted(digest.items()))
+
+
+def topology(shape: str, names: list[str]) -> dict[str, list[str]]:
+    """Who dials whom (both ways along every link)."""
+    if shape == "mesh":
+        return {name: [other for other in names if other != name] for name in names}
+    if shape == "line":
+        return {name: [names[j] for j in (i - 1, i + 1) if 0 <= j < len(names)] for i, name in enumerate(names)}
+    hub = names[0]
+    return {name: ([other for other in names if other != hub] if name == hub else [hub]) for name in names}
+
+
+def run_seed(seed: int, **options: object) -> Outcome:
+    return Simulation(seed, **options).run()  # type: ignore[arg-type]
+
+
+__all__ = ["Database", "Outcome", "Pair", "Simulation", "run_seed", "topology"]

@@ -1,0 +1,147 @@
+"""What a node knows of its own writes (`shared.own_writes`), on real files: how a file begins (new, unknown, lost),
+the one question "may this node have written this version?", regressions, and writes of a new file's own life
+written again above an earlier life's versions."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from replicator.shared import dropped
+from replicator.shared.store import SYSTEM, Database, Store
+from tests.unit.test_store import FakeClock, meta, raw, rec
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def node(tmp_path: Path, clock: FakeClock) -> Iterator[Store]:
+    """A node's store that remembers what it holds, as the coordinator and the workers open it."""
+    with Store(tmp_path / "a", "a", clock=clock, clock_lead=60.0, holdings=True) as store:
+        yield store
+
+
+def _intact_system(store: Store) -> Database:
+    system = store.database(SYSTEM, create=True)
+    system.finish_recovery()  # its peers have served it: the registry it holds is whole
+    return system
+
+
+def test_a_new_node_takes_its_first_files_as_unknown_not_lost(node: Store, clock: FakeClock) -> None:
+    system = node.database(SYSTEM, create=True)
+    history = system.own_history()
+    assert history.recovering and history.unknown and history.floor == 0
+    db = node.database("d", create=True)
+    # Unknown: recovering, but on the wall clock (no lead), asking peers for every write of its own they hold.
+    assert db.own_history().unknown and db.own_history().asks > 10**18
+    assert db.put("t", "k", b"v") == clock.us
+
+
+def test_a_name_never_held_is_new_and_one_held_before_is_lost(node: Store, clock: FakeClock) -> None:
+    _intact_system(node)
+    fresh = node.database("fresh", create=True)
+    history = fresh.own_history()
+    assert not history.recovering and history.floor == 0 and history.born == clock.us
+    assert fresh.put("t", "k", b"v") == clock.us  # the wall clock, not max_clock_skew ahead
+    # The node held "fresh" now: a file of it made later (the first one lost) is a lost file.
+    node.forget("fresh")
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{fresh.path}{suffix}").unlink(missing_ok=True)
+    lost = node.database("fresh", create=True)
+    history = lost.own_history()
+    assert history.recovering and not history.unknown
+    assert history.floor == clock.us + 60_000_000 - 1 and history.asks == history.floor
+    assert lost.put("t", "k", b"v") > history.floor
+
+
+def test_a_deleted_and_removed_database_is_new_again(node: Store) -> None:
+    system = _intact_system(node)
+    db = node.database("gone", create=True)
+    db.put("t", "k", b"v")
+    dropped.write(system, "gone", requested_by="a", at=1.0, floors=dropped.seen(db.origins()))
+    db.drop_through(node.dropped_floor("gone"))
+    node.block("gone")
+    assert node.remove("gone")
+    node.unblock("gone")
+    again = node.database("gone", create=True)
+    assert not again.own_history().recovering
+
+
+def test_may_have_written_judges_from_local_writes_only(node: Store, clock: FakeClock) -> None:
+    _intact_system(node)
+    db = node.database("d", create=True)
+    first = db.put("t", "k1", b"1")
+    clock.advance(1)
+    second = db.put("t", "k2", b"2")
+    clock.advance(1)
+    # A version of our own applied from a peer (our own write served back) proves nothing of what we wrote.
+    db.apply_batch([rec("k3", second + 5, "a")])
+    claims = [("k1", first), ("k2", second), ("k1", second), ("k9", second + 100_000_000)]
+    # k1 at `second` is covered by the local writes the log keeps and is not among them; k9 is above everything.
+    assert db.may_have_written("t", claims) == [("k1", first), ("k2", second)]
+    # Pruned, the log no longer covers them: only the versions above the newest own one are known never written.
+    with raw(db.path) as conn:
+        conn.execute("DELETE FROM audit")
+    assert db.may_have_written("t", claims) == [("k1", first), ("k2", second), ("k1", second)]
+
+
+def test_an_unknown_file_judges_no_claim_on_its_origin(node: Store) -> None:
+    db = node.database("d", create=True)  # the system database is recovering: unknown
+    assert db.own_history().unknown
+    assert db.may_have_written("t", [("x", 5), ("y", 10**16)]) == [("x", 5), ("y", 10**16)]
+
+
+def test_a_claim_above_or_below_a_new_files_life_regresses_it(node: Store, clock: FakeClock) -> None:
+    _intact_system(node)
+    db = node.database("d", create=True)
+    mine = db.put("t", "k", b"v")
+    assert not db.regress(mine)  # what the file holds
+    assert not db.regress(0)
+    # Below its birth: the node wrote before this file began.
+    assert db.regress(mine - 10_000_000)
+    history = db.own_history()
+    assert history.recovering and history.floor == mine - 10_000_000
+    # While it recovers, any claim above the floor raises it, and the clock follows.
+    assert db.regress(mine + 50)
+    assert db.own_history().floor == mine + 50 and db.clock_version > mine + 50
+    assert not db.regress(mine)  # below the floor
+
+
+def test_a_new_files_writes_below_an_earlier_lifes_version_are_written_again_above_it(
+    node: Store, clock: FakeClock
+) -> None:
+    """A wiped node whose clock went back: its new file's writes lie below versions of its own that peers hold; once
+    it sees one (a peer serves it back), they are written again above it, as they were, and deletes are not."""
+    db = node.database("d", create=True)  # unknown: the node may have held it
+    early = db.put("t", "new-life", b"mine")
+    db.put("t", "new-life-deleted", b"x")
+    db.delete("t", "new-life-deleted")
+    earlier_life = early + 30_000_000  # peers hold this of the node's earlier life, above its new writes
+    db.apply_batch([rec("old-life", earlier_life, "a")])
+    moved = db.fetch("t", ["new-life"])[0][0]
+    assert moved.value == b"mine" and moved.version > earlier_life and moved.origin == "a"
+    gone = db.fetch("t", ["new-life-deleted"])[0][0]
+    assert gone.tombstone and gone.version < earlier_life  # a delete stays where it is
+    assert meta(db, "born") is not None
+    # A version of its own that it wrote itself, served back (a repair), is no earlier life: nothing moves.
+    db.apply_batch([rec("new-life", moved.version, "a", value=b"mine")])
+    assert db.fetch("t", ["new-life"])[0][0].version == moved.version
+
+
+def test_a_deletion_that_saw_more_of_this_nodes_writes_than_its_file_holds_is_a_regression(
+    node: Store, clock: FakeClock
+) -> None:
+    _intact_system(node)
+    db = node.database("d", create=True)
+    mine = db.put("t", "k", b"v")
+    assert not db.regress(mine, deletion=True)
+    assert db.regress(mine + 5_000_000, deletion=True)
+    # A deletion floor below the file's birth is a deletion from before it: nothing to take back.
+    clock.advance(10)
+    other = node.database("e", create=True)
+    assert not other.regress(mine, deletion=True)
