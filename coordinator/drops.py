@@ -26,8 +26,9 @@ from typing import Any
 
 from replicator.coordinator.view import DropsView
 from replicator.shared import dropped, messages
+from replicator.shared.deletion import DeletionFloors
 from replicator.shared.logs import log
-from replicator.shared.store import SYSTEM, DeletionFloors, UnknownDatabase
+from replicator.shared.store import SYSTEM, UnknownDatabase
 
 # How long a removal waits for every worker to close the database before it leaves the file for a later pass.
 REMOVAL_TIMEOUT = 20.0
@@ -165,7 +166,7 @@ class Drops:
         records = 0
         purging = not floors.within(db.dropped_purged)
         own = floors.floor_of(self._node.name)
-        if purging and db.regress(own, deletion=True):
+        if purging and db.regress(own, by_deletion=True):
             # The deletion saw more of this node's writes than this file holds: the file went back in time (or its
             # clock did), and what it wrote since must not fall under a deletion that never saw it.
             log.warning("database_regressed", peer="", database=name, floor=own, reason="deletion floor")

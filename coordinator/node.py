@@ -33,6 +33,7 @@ from replicator.coordinator.reachability import unreachable_from_peers
 from replicator.coordinator.recovery import Recoveries
 from replicator.coordinator.registry import SYSTEM, NodeView
 from replicator.coordinator.replication_map import Entry, PairState, ReplicationMap, StallWatch, should_fire_stall_kick
+from replicator.coordinator.retention import Retention
 from replicator.coordinator.routing import Router
 from replicator.coordinator.sd_notify import Notifier, status_text
 from replicator.coordinator.setup_scheduler import SetupScheduler
@@ -117,6 +118,7 @@ class Node:
         self.antientropy = AntiEntropy(self, loop=self.loop, rng=self.rng)
         self.blob_repairs = BlobRepairs(self.supervisor, loop=self.loop)  # admin POST /repair/blobs, run by workers
         self.drops = Drops(self, loop=self.loop)  # databases deleted cluster-wide, applied to this node's files
+        self.retention = Retention(self)  # audit pruning and tombstone purges (coordinator.retention)
         self.router = Router(config.replication.failover_after, self._on_route_change, loop=self.loop)
         # Databases whose file may lack this node's own writes (lost, adopted, gone back in time), until every peer
         # has served them back (coordinator.recovery).
@@ -309,7 +311,7 @@ class Node:
         self._tasks.append(self.loop.create_task(self._registry_loop(), name="registry watcher"))
         self._tasks.append(self.loop.create_task(self._reconcile_loop(), name="reconcile"))
         self._tasks.append(self.loop.create_task(self.notifier.watchdog_loop(), name="watchdog"))
-        self._tasks.append(self.loop.create_task(self._prune_loop(), name="audit retention"))
+        self._tasks.append(self.loop.create_task(self.retention.run(), name="retention"))
         self.antientropy.start()
         self.drops.start()
         self.pauses.start()
@@ -1149,69 +1151,6 @@ class Node:
                 key=entry.key, database=database, session=watch.session, reason="receive stalled: kicked"
             ),
         )
-
-    # -- audit retention ------------------------------------------------------------------------------------------
-
-    async def _prune_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.replication.prune_interval)
-            try:
-                self.prune_audit()
-            except Exception as exc:
-                log.warning("audit_prune_failed", error=repr(exc))
-            for database, floors in self.tombstone_floors().items():
-                try:
-                    await asyncio.to_thread(self.purge_tombstones, database, floors)
-                except Exception as exc:
-                    log.warning("tombstone_purge_failed", database=database, error=repr(exc))
-
-    def tombstone_floors(self) -> dict[str, dict[str, int]]:
-        """Per database this node holds, the version of each origin up to which every holder holds it complete.
-
-        The holders are the registered nodes that advertise the database; each must have subscribed here and
-        acknowledged what it holds (`peer_holds`), or the database is left out: a holder that has not said what
-        it has may still lack a delete, and a repair from it must not find the record gone without a trace."""
-        assert self.store is not None
-        floors: dict[str, dict[str, int]] = {}
-        for name in self.store.names():
-            holders = [view.name for view in self.views.values() if name in view.holds and view.name != self.name]
-            reports = [self.peer_holds.get((name, holder)) for holder in holders]
-            if any(report is None for report in reports):
-                continue
-            try:
-                own = self.store.database(name).origins()
-            except UnknownDatabase:
-                continue  # removed, or being removed, since the listing
-            found = {
-                origin: min([held.complete, *(report.get(origin, 0) for report in reports if report is not None)])
-                for origin, held in own.items()
-            }
-            floors[name] = {origin: floor for origin, floor in found.items() if floor > 0}
-        return floors
-
-    def purge_tombstones(self, database: str, floors: dict[str, int]) -> int:
-        """Remove the tombstones of `database` every holder has that are older than tombstone_retention."""
-        assert self.store is not None
-        horizon = int((self.wall() - self.config.replication.tombstone_retention) * 1_000_000)
-        purged = self.store.database(database).purge_tombstones(floors, horizon)
-        if purged:
-            log.info("tombstones_purged", database=database, records=purged)
-        return purged
-
-    def prune_audit(self) -> int:
-        """Drop the audit entries past the retention window. The log is history: replication streams serve the
-        records table by origin, so no holder, lagging or copying, depends on what the log keeps."""
-        assert self.store is not None
-        deleted = 0
-        for name in self.store.names():
-            try:
-                database = self.store.database(name)
-            except UnknownDatabase:
-                continue  # removed, or being removed, since the listing
-            deleted += database.prune_audit(self.config.replication.audit_retention, self.wall())
-        if deleted:
-            log.info("audit_pruned", entries=deleted)
-        return deleted
 
     # -- reload ---------------------------------------------------------------------------------------------------
 

@@ -20,16 +20,8 @@ from __future__ import annotations
 import msgspec
 
 from replicator.shared.config import NAME_RE
-from replicator.shared.store import (
-    DROPPED,
-    NO_DELETION,
-    SYSTEM,
-    DamagedRecord,
-    Database,
-    DeletionFloors,
-    Origin,
-    check_name,
-)
+from replicator.shared.deletion import NO_DELETION, DeletionFloors
+from replicator.shared.store import DROPPED, SYSTEM, DamagedRecord, Database, Origin, check_name
 
 _PAGE = 1000
 

@@ -57,8 +57,9 @@ from pathlib import Path
 
 import msgspec
 
-from replicator.shared import blobs, digests, hlc, own_writes
+from replicator.shared import blobs, deletion, digests, hlc, own_writes
 from replicator.shared.config import NAME_RE
+from replicator.shared.deletion import NO_DELETION, DeletionFloors
 from replicator.shared.digests import DAMAGED
 from replicator.shared.logs import log
 from replicator.shared.wire import Entry
@@ -216,55 +217,6 @@ class Origin(msgspec.Struct, frozen=True):
 
     complete: int = 0
     top: int = 0
-
-
-class DeletionFloors(msgspec.Struct, frozen=True):
-    """What cluster-wide deletions of a database cover (`shared.dropped`): by origin, every version up to its floor,
-    which is what the deleting node held of that origin when the deletion was asked for (invariant 20: a deletion
-    removes what the deleting node had seen, and a write acknowledged after it survives). `every`: every origin up
-    to it, the floor of a marker written before floors were kept per origin."""
-
-    origins: dict[str, int] = {}
-    every: int = 0
-
-    def covers(self, origin: str, version: int) -> bool:
-        return version <= self.every or version <= self.origins.get(origin, 0)
-
-    def merge(self, other: DeletionFloors) -> DeletionFloors:
-        origins = dict(self.origins)
-        for origin, floor in other.origins.items():
-            if floor > origins.get(origin, 0):
-                origins[origin] = floor
-        return DeletionFloors(origins=origins, every=max(self.every, other.every))
-
-    def within(self, other: DeletionFloors) -> bool:
-        """Does `other` cover everything these floors do?"""
-        if self.every > other.every:
-            return False
-        return all(floor <= max(other.every, other.origins.get(origin, 0)) for origin, floor in self.origins.items())
-
-    def __bool__(self) -> bool:
-        return self.every > 0 or any(floor > 0 for floor in self.origins.values())
-
-    def floor_of(self, origin: str) -> int:
-        return max(self.every, self.origins.get(origin, 0))
-
-
-NO_DELETION = DeletionFloors()
-_floors_decoder = msgspec.msgpack.Decoder(DeletionFloors)
-
-
-def _read_floors(conn: sqlite3.Connection, key: str, legacy: str) -> DeletionFloors:
-    """Deletion floors kept in the meta table under `key`, with the single floor of an earlier version (`legacy`)."""
-    raw = _meta(conn, key)
-    floors = _floors_decoder.decode(raw) if isinstance(raw, bytes) else NO_DELETION
-    every = _meta(conn, legacy)
-    return floors.merge(DeletionFloors(every=every)) if isinstance(every, int) and every > 0 else floors
-
-
-def _set_purged(conn: sqlite3.Connection, floors: DeletionFloors) -> None:
-    encoded = msgspec.msgpack.encode(floors)
-    conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('dropped_purged_floors', ?)", (encoded,))
 
 
 def _entry(row: tuple) -> Entry:
@@ -462,17 +414,6 @@ def _rebuild_digests(conn: sqlite3.Connection) -> None:
     )
 
 
-def _raise_dropped_floor(conn: sqlite3.Connection, node: str, floors: DeletionFloors) -> DeletionFloors:
-    """Inside a write transaction: nothing the floors cover is applied from now on, and the clock moves past this
-    node's own floor, so every later local write survives the deletion. Returns the floors now held."""
-    held = _read_floors(conn, "dropped_floors", "dropped_floor").merge(floors)
-    conn.execute(
-        "INSERT OR REPLACE INTO meta (key, value) VALUES ('dropped_floors', ?)", (msgspec.msgpack.encode(held),)
-    )
-    conn.execute("UPDATE meta SET value = max(value, ?) WHERE key = 'hlc'", (held.floor_of(node),))
-    return held
-
-
 def _clock_floor(clock: hlc.WallClock, lead: float) -> int:
     """The clock value a recovering file starts from: the next write gets the wall clock plus `lead`."""
     return clock() // 1000 + int(lead * 1_000_000) - 1 if lead > 0 else 0
@@ -500,9 +441,9 @@ def _build_file(
         _initialize(conn, node, clock_floor_us, history, born_us)
         if dropped:
             conn.execute("BEGIN IMMEDIATE")
-            held = _raise_dropped_floor(conn, node, dropped)
+            held = deletion.raise_floors(conn, node, dropped)
             # Nothing to purge in a new file.
-            _set_purged(conn, held)
+            deletion.set_purged(conn, held)
             conn.execute("COMMIT")
     finally:
         # Closing the only connection checkpoints the WAL into the file and removes it.
@@ -1040,7 +981,7 @@ class Database:
         """True while this file may lack some of its owner's own writes (see the module docstring)."""
         return self.own_history().recovering
 
-    def regress(self, claimed: int, *, deletion: bool = False) -> bool:
+    def regress(self, claimed: int, *, by_deletion: bool = False) -> bool:
         """A peer holds this node's own writes complete up to `claimed`, above anything this file accounts for: the
         file went back in time (restored from an older backup of this node) or lost them. It starts recovering with
         its floor there: the clock moves past `claimed`, so new writes are above what peers hold, and the
@@ -1051,15 +992,15 @@ class Database:
         it, as they are (`shared.own_writes.restamp`): at their old versions peers counting this node complete past
         them would never be sent them, and a deletion of the database from before could cover them.
 
-        `deletion`: `claimed` is a deletion's floor for this node's origin (`drop_through` asks first); it counts
+        `by_deletion`: `claimed` is a deletion's floor for this node's origin (`drop_through` asks first); it counts
         only above this file's birth, since a file made after a deletion is born below its floors' reach."""
         # Every subscription asks; almost always the answer is no, and a read answers it without taking the write
         # lock. The write transaction asks again, since another process may have moved first.
         history = self.own_history()
-        if not (history.behind_deletion(claimed) if deletion else history.behind(claimed)):
+        if not (history.behind_deletion(claimed) if by_deletion else history.behind(claimed)):
             return False
         with self._write() as conn:
-            if not deletion and claimed <= _read_floors(conn, "dropped_floors", "dropped_floor").floor_of(self._node):
+            if not by_deletion and claimed <= deletion.floors(conn).floor_of(self._node):
                 return False  # what the peer holds of ours was deleted with the database: nothing to take back
             before = own_writes.read(conn, self._node)
             if not own_writes.regress(conn, self._node, claimed):
@@ -1146,7 +1087,7 @@ class Database:
     def _apply(self, conn: sqlite3.Connection, entries: list[Entry]) -> int:
         if not entries:
             return 0
-        floors = _read_floors(conn, "dropped_floors", "dropped_floor")
+        floors = deletion.floors(conn)
         if floors:
             # What a deletion of the database covers is gone on every node and never comes back: a peer that has
             # not applied the deletion yet still serves it, and it does not win here.
@@ -1227,13 +1168,13 @@ class Database:
     def dropped_floor(self) -> DeletionFloors:
         """What cluster-wide deletions of the database cover: nothing they cover is applied."""
         with self._lock:
-            return _read_floors(self._conn, "dropped_floors", "dropped_floor")
+            return deletion.floors(self._conn)
 
     @property
     def dropped_purged(self) -> DeletionFloors:
         """The deletion floors this file has been purged through: it holds nothing they cover."""
         with self._lock:
-            return _read_floors(self._conn, "dropped_purged_floors", "dropped_purged")
+            return deletion.purged(self._conn)
 
     @property
     def clock_version(self) -> int:
@@ -1274,7 +1215,7 @@ class Database:
         if not 0 <= floors.every <= hlc.MAX_VERSION:
             raise BadRecord(f"deletion floor {floors.every} is out of range")
         with self._write() as conn:
-            floors = _raise_dropped_floor(conn, self._node, floors)
+            floors = deletion.raise_floors(conn, self._node, floors)
         removed = 0
         after = 0
         while True:
@@ -1300,7 +1241,7 @@ class Database:
                 break
             after = rows[-1][0]
         with self._write() as conn:
-            _set_purged(conn, _read_floors(conn, "dropped_purged_floors", "dropped_purged").merge(floors))
+            deletion.set_purged(conn, deletion.purged(conn).merge(floors))
         return removed
 
     def is_empty(self) -> bool:

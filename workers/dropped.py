@@ -10,7 +10,8 @@ the deletion (one its floors do not cover). From then on the database simply exi
 from __future__ import annotations
 
 from replicator.shared import own_writes, wire
-from replicator.shared.store import Database, DatabaseRemoving, DeletionFloors
+from replicator.shared.deletion import DeletionFloors
+from replicator.shared.store import Database, DatabaseRemoving
 from replicator.shared.wire import Entry
 from replicator.workers.context import SYSTEM, WorkerContext
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from replicator.shared.store import DeletionFloors
+from replicator.shared.deletion import DeletionFloors
 from tests.sim.cluster import Cluster, SimNode
 
 Key = tuple[str, str, str]  # database, table, id

@@ -289,7 +289,7 @@ class SimNode:
             db = self.store.database(name)
             if not floors.within(db.dropped_purged):
                 own = floors.floor_of(self.name)
-                if db.regress(own, deletion=True):
+                if db.regress(own, by_deletion=True):
                     self.cluster.trace(f"{self.name}/{name} regressed to {own} (deletion floor)")
                     self.regressed(name, own)
                 db.drop_through(floors)

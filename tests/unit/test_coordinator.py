@@ -782,17 +782,17 @@ def test_tombstones_wait_for_every_holder_and_the_retention(loop: VirtualTimeLoo
         node.views[view.name] = view
     # c, a holder, has not said what it holds: nothing of "db" may go. d does not hold it.
     node.on_worker_message(0, messages.PeerHolds(peer="b", database="db", complete={"self": tombstone}))
-    assert "db" not in node.tombstone_floors()
+    assert "db" not in node.retention.floors()
     node.on_worker_message(0, messages.PeerHolds(peer="c", database="db", complete={"self": tombstone - 1}))
-    assert node.tombstone_floors()["db"] == {"self": tombstone - 1}
+    assert node.retention.floors()["db"] == {"self": tombstone - 1}
     node.on_worker_message(0, messages.PeerHolds(peer="c", database="db", complete={"self": tombstone + 5}))
-    floors = node.tombstone_floors()["db"]
+    floors = node.retention.floors()["db"]
     assert floors == {"self": tombstone}  # our own file holds up to our newest write
     node.config.replication.tombstone_retention = 3600.0
     node.wall = lambda: tombstone / 1e6 + 60  # the tombstone is a minute old: younger than the retention
-    assert node.purge_tombstones("db", floors) == 0
+    assert node.retention.purge("db", floors) == 0
     node.wall = lambda: tombstone / 1e6 + 3601
-    assert node.purge_tombstones("db", floors) == 1
+    assert node.retention.purge("db", floors) == 1
     assert db.fetch("t", ["x", "y"])[0][0].id == "y"
     # A holder removed from the registry no longer holds anything back.
     node.on_node_removed("c")

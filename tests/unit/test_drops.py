@@ -12,7 +12,8 @@ import pytest
 from replicator.coordinator.drops import RESEND, Drops, NotHeld
 from replicator.coordinator.node import Node
 from replicator.shared import dropped, messages
-from replicator.shared.store import SYSTEM, DatabaseRemoving, DeletionFloors, Store
+from replicator.shared.deletion import DeletionFloors
+from replicator.shared.store import SYSTEM, DatabaseRemoving, Store
 from tests.unit.fakeloop import VirtualTimeLoop
 from tests.unit.test_coordinator import FakeSupervisor, add, make_node, peer
 from tests.unit.test_store import FakeClock, rec

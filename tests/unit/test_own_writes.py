@@ -139,9 +139,9 @@ def test_a_deletion_that_saw_more_of_this_nodes_writes_than_its_file_holds_is_a_
     _intact_system(node)
     db = node.database("d", create=True)
     mine = db.put("t", "k", b"v")
-    assert not db.regress(mine, deletion=True)
-    assert db.regress(mine + 5_000_000, deletion=True)
+    assert not db.regress(mine, by_deletion=True)
+    assert db.regress(mine + 5_000_000, by_deletion=True)
     # A deletion floor below the file's birth is a deletion from before it: nothing to take back.
     clock.advance(10)
     other = node.database("e", create=True)
-    assert not other.regress(mine, deletion=True)
+    assert not other.regress(mine, by_deletion=True)

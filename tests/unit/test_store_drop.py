@@ -11,17 +11,8 @@ from pathlib import Path
 import pytest
 
 from replicator.shared import dropped
-from replicator.shared.store import (
-    NO_DELETION,
-    SYSTEM,
-    BadName,
-    BadRecord,
-    Database,
-    DatabaseRemoving,
-    DeletionFloors,
-    Store,
-    UnknownDatabase,
-)
+from replicator.shared.deletion import NO_DELETION, DeletionFloors
+from replicator.shared.store import SYSTEM, BadName, BadRecord, Database, DatabaseRemoving, Store, UnknownDatabase
 from replicator.shared.wire import Entry
 from replicator.workers.dropped import DroppedDatabase
 from tests.unit.test_store import FakeClock, rec
