@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import random
 import signal
 import socket
@@ -512,7 +513,9 @@ class Node:
             self._drop_entry(entry, "node removed")
 
     def _payload(self, view: NodeView, key: str, database: str) -> messages.Subscribe:
-        exclude = self.router.exclude(database, view.name)
+        # A recovering database takes every origin from every peer: the node's own writes that only another link
+        # carries must reach it before its recovery may end (coordinator.recovery).
+        exclude = [] if database in self.recoveries else self.router.exclude(database, view.name)
         # Leadership comes from the latest node state on every update, never from a cached flag.
         return messages.Subscribe(
             key=key,
@@ -660,8 +663,9 @@ class Node:
             recovering = self.store.database(database).recovering
         except UnknownDatabase:
             return  # removed, or being removed, since the report
-        if recovering:
+        if recovering and database not in self.recoveries:
             self.recoveries.begin(database, wall=self.wall(), now=self.loop.time())
+            self._refresh_payloads(database, "resubscribed")  # every origin from every peer while it recovers
 
     def database_regressed(self, database: str, floor: int) -> None:
         """The database's file went back in time, to `floor` (`Database.regress`): its recovery starts again."""
@@ -698,15 +702,12 @@ class Node:
                 for database, pairs in found.items():
                     if (pair := entry.pairs.get(database)) is not None:
                         pairs[entry.peer] = pair
-        held_by_peers: set[str] | None = None
         for database in targets:
             pairs = found[database]
-            if not pairs and database != SYSTEM and held_by_peers is None:
-                held_by_peers = {d for name, view in self.views.items() if name != self.name for d in view.holds}
             ready = self.recoveries.ready(
                 database,
                 pairs,
-                held_elsewhere=held_by_peers is not None and database in held_by_peers,
+                holders=functools.partial(self._holders, database),
                 registry_trusted=self._registry_trusted,
             )
             if not ready:
@@ -718,10 +719,19 @@ class Node:
             self.recoveries.finish(database, records, wall=self.wall())
             if pairs:
                 log.info("database_recovered", database=database, records=records, peers=sorted(pairs))
+            self._refresh_payloads(database, "route_changed")  # its origins are routed again
             if database == SYSTEM:
                 # The views are rebuilt from the whole registry (new pairs included) before anything else may end.
                 self.poke_registry()
                 break
+
+    def _holders(self, database: str) -> list[str]:
+        """The other nodes of the registry that hold `database` (every node holds the system database)."""
+        return [
+            name
+            for name, view in self.views.items()
+            if name != self.name and (database == SYSTEM or database in view.holds)
+        ]
 
     # -- databases deleted cluster-wide (coordinator.drops) ------------------------------------------------------
 
@@ -912,6 +922,7 @@ class Node:
         pair.progressed = pair.progressed or message.caught_up or message.received > 0
         pair.applied = message.applied
         pair.caught_up = message.caught_up
+        pair.peer_recovering = message.peer_recovering
         pair.backlog = message.backlog
         pair.received = message.received
         pair.session_applied = message.session_applied
@@ -1104,15 +1115,9 @@ class Node:
             if entry.redrive is not None:
                 continue
             for database, pair in entry.pairs.items():
-                if not pair.connected or not pair.behind or pair.stall is not None:
+                if pair.stall is not None or pair.worker is None or pair.session is None:
                     continue
-                if pair.worker is None or pair.session is None:
-                    continue
-                quiet_since = max(pair.last_progress_at or pair.created_at, pair.stall_kicked_at or 0.0)
-                if pair.ahead_since is not None:
-                    # Ahead on some origin: the time its positions last moved, however much else arrives.
-                    quiet_since = max(pair.ahead_since, pair.stall_kicked_at or 0.0)
-                if now - quiet_since >= threshold:
+                if pair.stalled(now, threshold):
                     origin = min(pair.ahead) if pair.ahead else ""
                     watch = StallWatch(pair.worker, pair.session, now, pair.last_received_seq, origin)
                     pair.stall = watch

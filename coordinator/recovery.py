@@ -8,7 +8,15 @@ database with has served it: each of its pairs has connected since the recovery 
 regression) and caught up. A peer that is down, or was never dialled, is waited for: it may hold the only copy of
 an acknowledged write of this node (invariant 19), and ending the recovery without it would promise peers a
 position past that write. The wait ends when the peer has served, or when it is no longer a pair (removed from the
-registry, no longer holding the database). Which peers hold a database is what the registry says, so no recovery
+registry, no longer holding the database).
+
+A peer whose own file of the database is recovering too (`wire.Batch.recovering`) holds what it has got so far,
+which may be less than it will: outside a full mesh, the only copy of one of this node's writes may lie beyond it,
+on a node this one never talks to. Its caught-up counts once it is whole again, or when some other peer that is
+whole has served, or when no node of the registry beyond the peers holds the database (every holder lost it: there
+is nothing more to wait for, and two such nodes do not wait for each other). While a database recovers, its
+subscriptions exclude no origin (`Node._payload`): whatever a peer holds of any origin comes, the node's own writes
+that other links carry among it. Which peers hold a database is what the registry says, so no recovery
 but the system database's own ends before the registry is whole (the system database recovered): a registry
 taken from one peer may not know yet that another holds the database. A database that no peer holds has nothing
 to wait for once the registry says so.
@@ -24,7 +32,7 @@ The coordinator (`coordinator.node`) feeds it what the workers report and asks `
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -46,6 +54,7 @@ class PairView(Protocol):
     connected: bool
     caught_up: bool
     connected_at: float | None
+    peer_recovering: bool
 
 
 @dataclass
@@ -56,6 +65,7 @@ class Recovery:
     started: float  # loop clock: only sessions connected from then on can serve it
     floor: int = 0  # the floor of the latest regression (0: a lost file; its own floor is in the file)
     served: set[str] = field(default_factory=set)  # peers whose pair caught up in a session since `started`
+    whole: set[str] = field(default_factory=set)  # ... at a time their own file of it was not recovering
     records: int = 0
     at: float | None = None  # wall clock: when it ended
 
@@ -115,6 +125,7 @@ class Recoveries:
         recovery.floor = floor
         recovery.started = now
         recovery.served.clear()
+        recovery.whole.clear()
         return True
 
     def caught_up(self, database: str, peer: str, pair: PairView) -> None:
@@ -122,8 +133,7 @@ class Recoveries:
         recovery = self._recoveries.get(database)
         if recovery is None or recovery.phase is not Phase.RECOVERING:
             return
-        if _serves(pair, recovery.started):
-            recovery.served.add(peer)
+        _note(recovery, peer, pair)
 
     def forget(self, database: str) -> None:
         """The database is no longer held here."""
@@ -136,31 +146,41 @@ class Recoveries:
         database: str,
         pairs: Mapping[str, PairView],
         *,
-        held_elsewhere: bool,
+        holders: Callable[[], Collection[str]],
         registry_trusted: bool,
     ) -> bool:
         """May the recovery of `database` end? `pairs`: by peer, the pairs this node has for it now.
-        `held_elsewhere`: a peer of the registry says it holds the database; `registry_trusted`: the registry this
-        node holds is whole (its system database is not recovering). Records the pairs that serve it now."""
+        `holders`: the other nodes of the registry that hold the database (asked only when it matters);
+        `registry_trusted`: the registry this node holds is whole (its system database is not recovering). Records
+        the pairs that serve it now."""
         recovery = self._recoveries.get(database)
         if recovery is None or recovery.phase is not Phase.RECOVERING:
             return False
         for peer, pair in pairs.items():
-            if pair.caught_up and _serves(pair, recovery.started):
-                recovery.served.add(peer)
+            _note(recovery, peer, pair)
         if database != "system" and not registry_trusted:
             return False  # who else holds it is not known yet
-        if pairs:
-            return all(peer in recovery.served for peer in pairs)
-        # No peer to hear from: for the system database the registry it holds is all there is.
-        return database == "system" or not held_elsewhere
+        if not pairs:
+            # No peer to hear from: for the system database the registry it holds is all there is.
+            return database == "system" or not holders()
+        if not all(peer in recovery.served for peer in pairs):
+            return False
+        if any(peer in recovery.whole for peer in pairs):
+            return True
+        # Every peer served it while recovering it too: what lies beyond them reaches this node once they are whole.
+        return not set(holders()) - set(pairs)
 
     def waiting_for(self, database: str, peers: Iterable[str]) -> list[str]:
-        """Of `peers` (the database's pairs), those the recovery still waits for."""
+        """Of `peers` (the database's pairs), those the recovery still waits for: the ones that have not served
+        it, or, when all have but each while recovering it too, all of them (for one to be whole)."""
         recovery = self._recoveries.get(database)
         if recovery is None or recovery.phase is not Phase.RECOVERING:
             return []
-        return sorted(peer for peer in peers if peer not in recovery.served)
+        peers = sorted(peers)
+        missing = [peer for peer in peers if peer not in recovery.served]
+        if missing or any(peer in recovery.whole for peer in peers):
+            return missing
+        return peers
 
     def finish(self, database: str, records: int, *, wall: float) -> None:
         recovery = self._recoveries[database]
@@ -168,6 +188,7 @@ class Recoveries:
         recovery.records = records
         recovery.at = wall
         recovery.served.clear()
+        recovery.whole.clear()
 
     # -- what the node shows ---------------------------------------------------------------------------------
 
@@ -189,3 +210,12 @@ class Recoveries:
 
 def _serves(pair: PairView, started: float) -> bool:
     return pair.connected and pair.caught_up and (pair.connected_at or 0.0) >= started
+
+
+def _note(recovery: Recovery, peer: str, pair: PairView) -> None:
+    """The pair is caught up in a session since the recovery began: it served, and if its peer's own file is not
+    recovering, it served whole."""
+    if _serves(pair, recovery.started):
+        recovery.served.add(peer)
+        if not pair.peer_recovering:
+            recovery.whole.add(peer)

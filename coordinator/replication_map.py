@@ -51,6 +51,7 @@ class PairState:
     progressed: bool = False  # a session reported a batch received: lag_seconds is a measurement from then on
     applied: int = 0
     caught_up: bool = False  # the peer's last batch said it had nothing more to serve
+    peer_recovering: bool = False  # ... and that the peer's own file of the database was recovering
     caught_up_at: float | None = None  # when a session of the pair last reported caught up
     # Origins the peer holds complete beyond this node (its Heads), with this node's complete for each, and since
     # when none of those positions has moved: a pair ahead and not moving is stalled (invariant 21).
@@ -84,6 +85,17 @@ class PairState:
             self.ahead_since = now
         self.ahead = ahead
         return moved
+
+    def stalled(self, now: float, threshold: float) -> bool:
+        """Connected, the peer ahead, and nothing moved for `threshold` (nor since the last stall kick): the
+        session must be renewed (invariant 21). Ahead on some origin (`note_ahead`), what counts is when those
+        positions last moved, however much else arrives."""
+        if not self.connected or not self.behind:
+            return False
+        quiet_since = self.last_progress_at or self.created_at
+        if self.ahead_since is not None:
+            quiet_since = self.ahead_since
+        return now - max(quiet_since, self.stall_kicked_at or 0.0) >= threshold
 
     def copy(self, now: float) -> dict[str, Any] | None:
         """The session's copy progress while it is catching up: records received of the backlog the sender had when

@@ -45,6 +45,12 @@ def seen(held: dict[str, Origin]) -> dict[str, int]:
     return {origin: floor for origin, floor in floors.items() if floor > 0}
 
 
+def written_since(held: dict[str, Origin], floors: DeletionFloors) -> bool:
+    """Does a file holding `held` hold positions beyond the deletion's floors: was the database written after the
+    deletion (whatever was written since deleted and purged again, maybe)? Then it exists again, empty or not."""
+    return any(floor > floors.floor_of(origin) for origin, floor in seen(held).items())
+
+
 def marker_id(name: str, requested_by: str) -> str:
     return f"{name}@{requested_by}"
 

@@ -184,6 +184,7 @@ class Progress(msgspec.Struct, tag="progress", kw_only=True):
     lag_seconds: float
     applied: int  # records applied over the session's life
     caught_up: bool = False  # the peer said it had nothing more to serve, as of its last batch
+    peer_recovering: bool = False  # the peer's own file of the database is recovering, as of its last batch
     backlog: int = 0  # what the sender had to serve when the session started (Schema.backlog)
     received: int = 0  # records received over the session's life (applied or not: duplicates, older versions)
     session_applied: int = 0  # records applied over the session's life (`applied` counts the pair's life)

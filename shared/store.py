@@ -1057,13 +1057,16 @@ class Database:
 
     # -- applying (subscriber side) --------------------------------------------------------------------
 
-    def apply_batch(self, entries: list[Entry], marks: dict[str, int] | None = None) -> int:
+    def apply_batch(self, entries: list[Entry], marks: dict[str, int] | None = None, *, repair: bool = False) -> int:
         """Apply a peer's records last-writer-wins and raise the origins' complete versions to the sender's
         marks, in one transaction. Returns how many records won.
 
         A mark is the sender's promise that the receiver, once it holds this batch, holds every version the
         origin wrote up to the mark; the sender keeps it by serving an origin in version order from where the
         subscription said the receiver was complete.
+
+        `repair`: the entries come from an anti-entropy round that judged each one (`Round._takes`): one replaces
+        a damaged row here even when it looks older.
         """
         _check_entries(entries)
         marks = marks or {}
@@ -1072,7 +1075,7 @@ class Database:
             if not 0 <= mark <= hlc.MAX_VERSION:
                 raise BadRecord(f"mark {mark} for origin {origin!r} is out of range")
         with self._write() as conn:
-            won = self._apply(conn, entries)
+            won = self._apply(conn, entries, repair)
             conn.executemany(_RAISE_COMPLETE, marks.items())
             mine = [(entry.table, entry.id, entry.version) for entry in entries if entry.origin == self._node]
             if mine:
@@ -1084,7 +1087,7 @@ class Database:
                 self._set_clock(conn, top)
         return won
 
-    def _apply(self, conn: sqlite3.Connection, entries: list[Entry]) -> int:
+    def _apply(self, conn: sqlite3.Connection, entries: list[Entry], repair: bool = False) -> int:
         if not entries:
             return 0
         floors = deletion.floors(conn)
@@ -1100,15 +1103,22 @@ class Database:
         # versions of one record ends exactly as if its entries were applied one by one. The winner is the
         # higher (version, origin), and between two contents of one version the higher checksum, so nodes that
         # somehow hold different contents under one version still settle on the same one. A damaged row (see
-        # the module docstring) holds nothing worth keeping: any healthy version replaces it.
+        # the module docstring) holds nothing worth keeping: a healthy copy of its version or a newer one replaces
+        # it. An older-looking one does not: this node's positions may promise the damaged version (its own
+        # newest write, say), and a stream from a lagging peer would put the older one back under that promise.
+        # Anti-entropy decides those (`repair`), from a peer that has seen everything this node has.
         for entry in entries:
             key = (entry.table, entry.id)
             value = b"" if entry.tombstone else entry.value
             row = _row(entry.table, entry.id, value, entry.version, entry.origin, int(entry.tombstone))
             candidate = (entry.version, entry.origin, row[7])
             current = held.get(key)
-            if current is not None and current[2] is not None and current[2] != DAMAGED and candidate <= current:
-                continue
+            if current is not None and current[2] is not None:
+                if current[2] == DAMAGED:
+                    if candidate[:2] < current[:2] and not repair:
+                        continue
+                elif candidate <= current:
+                    continue
             held[key] = candidate
             rows.append(row)
         if rows:

@@ -107,6 +107,9 @@ class Batch(msgspec.Struct, tag="batch", kw_only=True):
     marks: dict[str, Count] = {}
     head_seq: Count = 0
     caught_up: bool = False  # the sender had nothing more to serve when it made this batch
+    # The sender's own file of the database is recovering (it lost it, or it went back in time): caught up with
+    # it, a subscriber holds what it holds, which may be less than it will (`coordinator.recovery`).
+    recovering: bool = False
 
 
 class Ack(msgspec.Struct, tag="ack", kw_only=True):

@@ -450,7 +450,7 @@ class Round:
         if self._blobs is not None:
             await self._blobs(entries)  # a record is applied only once its blob is safe here
         try:
-            won = self._db.apply_batch(entries)
+            won = self._db.apply_batch(entries, repair=True)
         except (BadRecord, BadName) as exc:
             raise PeerError(f"the peer served a record that cannot be stored: {exc}") from None
         self.result.repaired += won

@@ -3,8 +3,9 @@
 The peer may not have applied the deletion yet (it was down, or cut off): it still serves the records the deletion
 covers, which this node ignores. Creating the file for them would only see it removed again, and again for as long as
 the peer keeps advertising the database; so nothing is created here until the peer sends a record written after
-the deletion (one its floors do not cover). From then on the database simply exists again, born with its floors
-(`Store.database`).
+the deletion (one its floors do not cover), or a mark past the floors (it holds the database complete beyond what
+the deletion saw: written since, if deleted and purged again). From then on the database simply exists again, born
+with its floors (`Store.database`), and is not removed while empty (`coordinator.drops`).
 """
 
 from __future__ import annotations
@@ -36,14 +37,19 @@ class DroppedDatabase:
         return own_writes.OwnHistory(floor=0, recovering=False, top=0, confirmed=0)
 
     def progress(self) -> dict[str, int]:
-        """Where the subscription resumes each origin: nothing is held until the file exists."""
-        return self._db.progress() if self._db is not None else {}
+        """Where the subscription resumes each origin: at the deletion's floors until the file exists (everything up
+        to them is deleted here), so the peer serves only what was written after the deletion, and a peer holding
+        nothing more is not ahead of this node."""
+        if self._db is not None:
+            return self._db.progress()
+        return {origin: floor for origin, floor in self.floors.origins.items() if floor > 0}
 
     def apply_batch(self, entries: list[Entry], marks: dict[str, int] | None = None) -> int:
-        """Apply a peer's batch; until a record the floors do not cover comes, it is all covered by the deletion, and
-        the marks (what the peer holds complete) are worth nothing here without a file to keep them in."""
+        """Apply a peer's batch; until a record the floors do not cover comes, or a mark past them (the peer holds
+        writes made after the deletion, deleted and purged since, maybe), it is all covered by the deletion."""
         if self._db is None:
-            if all(self.floors.covers(entry.origin, entry.version) for entry in entries):
+            covered = all(self.floors.covers(entry.origin, entry.version) for entry in entries)
+            if covered and all(mark <= self.floors.floor_of(origin) for origin, mark in (marks or {}).items()):
                 return 0
             try:
                 self._db = self._ctx.database(self.name, create=True)

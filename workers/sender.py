@@ -310,14 +310,21 @@ class Sender:
         """Stream every origin not excluded, from the subscriber's marks on, until the session ends."""
         feed = self._ctx.feeds.get(db.name)
         told_caught_up = False
+        told_recovering = False
         while True:
             self._check_gone()
             read_at = db.data_version()
+            recovering = db.recovering
             entries, new_marks, more = plan.next_batch(db, self._settings.batch_size)
             if not entries and not new_marks:
-                if not told_caught_up and not plan.blocked:
-                    await self._send_batch(wire.Batch(entries=[], head_seq=db.last_seq(), caught_up=True))
+                # Caught up, said again when this end's file stops recovering: the subscriber's recovery counts a
+                # peer only once it is whole (`coordinator.recovery`).
+                if (not told_caught_up or told_recovering != recovering) and not plan.blocked:
+                    await self._send_batch(
+                        wire.Batch(entries=[], head_seq=db.last_seq(), caught_up=True, recovering=recovering)
+                    )
                     told_caught_up = True
+                    told_recovering = recovering
                     if not self._caught_up:
                         self._caught_up = True
                         self._report_state()
@@ -339,9 +346,11 @@ class Sender:
                         marks=new_marks if last else {},
                         head_seq=head,
                         caught_up=last and not more and not plan.blocked,
+                        recovering=recovering,
                     )
                 )
             told_caught_up = not more and not plan.blocked
+            told_recovering = recovering
             if entries:
                 self._records_sent += len(entries)
                 self._ctx.counters.inc("replicator_records_sent_total", db.name, self._peer, value=len(entries))

@@ -119,11 +119,15 @@ class PeerSession:
         self.lag_seconds = 0.0
         self.applied = 0
         self.caught_up = False
+        self.peer_recovering = False  # the peer's file of the database is recovering (wire.Batch.recovering)
         self.server_identity: PeerIdentity | None = None  # the certificate the peer presented, once dialled
         # What the peer could mark for us (wire.Heads) and, of those origins, the ones where it is ahead of what
         # this node holds complete, with this node's complete for each (reported: the coordinator's stall check).
         self._peer_heads: dict[str, int] = {}
         self.ahead: dict[str, int] = {}
+        # Per origin, the position this session's marks stay at or below: just under the first registry row of that
+        # origin this node refused on the session (`refuse_registry_rows`).
+        self._refused_below: dict[str, int] = {}
         self._dirty = False
         self._last_progress = 0.0
 
@@ -406,6 +410,7 @@ class PeerSession:
         self._check_schema(db, schema, progress)
         self._peer_heads = {}
         self.ahead = {}
+        self._refused_below = {}
         self.peer_head_seq = schema.head_seq
         self.backlog, self.received, self.session_applied, self.received_bytes = schema.backlog, 0, 0, 0
         self.caught_up = False
@@ -471,15 +476,7 @@ class PeerSession:
 
     def _note_heads(self, db: Any) -> None:
         """Compare what the peer could mark for us with what this node holds complete now (`ahead`)."""
-        if not self._peer_heads:
-            ahead: dict[str, int] = {}
-        else:
-            progress = db.progress()
-            ahead = {
-                origin: progress.get(origin, 0)
-                for origin, head in self._peer_heads.items()
-                if head > progress.get(origin, 0)
-            }
+        ahead = ahead_of(self._peer_heads, db.progress()) if self._peer_heads else {}
         if ahead != self.ahead:
             self.ahead = ahead
             self._dirty = True
@@ -571,7 +568,7 @@ class PeerSession:
             entries = message.entries
             marks = message.marks
             if self.database == SYSTEM:
-                entries, marks = refuse_registry_rows(ctx, self.peer, entries, marks)
+                entries, marks = refuse_registry_rows(ctx, self.peer, entries, marks, self._refused_below)
             # The durability watermark: the batch and its marks wait until every blob it refers to is safe here.
             await blobs.ensure(ctx, self._http, self.database, self.sub.url, self.peer, entries)
             started = self._loop.time()
@@ -591,8 +588,9 @@ class PeerSession:
                 ctx.counters.inc("replicator_records_received_total", *labels, value=len(entries))
             if applied:
                 ctx.counters.inc("replicator_records_applied_total", *labels, value=applied)
-            was_caught_up = self.caught_up
+            was = (self.caught_up, self.peer_recovering)
             self.caught_up = message.caught_up
+            self.peer_recovering = message.recovering
             if message.caught_up:
                 self.last_received_seq = self.peer_head_seq = message.head_seq
                 self.lag_seconds = 0.0
@@ -604,7 +602,7 @@ class PeerSession:
             if self._peer_heads and (marks or message.caught_up):
                 self._note_heads(db)
             # Reaching or leaving the caught-up state is reported at once: routing and recovery wait on it.
-            self._report_progress(session, force=message.caught_up != was_caught_up)
+            self._report_progress(session, force=(message.caught_up, message.recovering) != was)
 
     async def _commit(self, db: Any, entries: list[wire.Entry], marks: dict[str, int]) -> int:
         """Apply one batch and its marks in one transaction; when the store cannot commit (busy past its timeout,
@@ -711,6 +709,7 @@ class PeerSession:
                 lag_seconds=round(self.lag_seconds, 6),
                 applied=self.applied,
                 caught_up=self.caught_up,
+                peer_recovering=self.peer_recovering,
                 backlog=self.backlog,
                 received=self.received,
                 session_applied=self.session_applied,
@@ -724,22 +723,33 @@ class PeerSession:
         return self._dirty
 
 
+def ahead_of(heads: dict[str, int], progress: dict[str, int]) -> dict[str, int]:
+    """The origins a peer could mark beyond what this node holds complete (its `wire.Heads` against `progress`),
+    with this node's position for each: what the coordinator's stall check watches (invariant 21)."""
+    return {origin: progress.get(origin, 0) for origin, head in heads.items() if head > progress.get(origin, 0)}
+
+
 def refuse_registry_rows(
-    ctx: WorkerContext, peer: str, entries: list[wire.Entry], marks: dict[str, int]
+    ctx: WorkerContext,
+    peer: str,
+    entries: list[wire.Entry],
+    marks: dict[str, int],
+    refused_below: dict[str, int],
 ) -> tuple[list[wire.Entry], dict[str, int]]:
     """The entries of a system-database batch without the registry rows that do not verify (each logged as
     `registry_row_refused`), and the batch's marks held below each refused row: this node does not hold it, so its
-    position for that origin must not pass it (invariant 13), and the sender serves it again on the next session,
-    when it may verify (a CA bundle here that gains the signer's CA, as during a rotation). Skipped, not the whole
-    batch: the rest of the stream must go on."""
+    position for that origin must not pass it (invariant 13). `refused_below` is the session's: once a row of an
+    origin is refused, no later batch of the session moves that origin's position past it either (the sender,
+    which does not know, marks on); the next session is served from below it again, when the row may verify (a
+    CA bundle here that gains the signer's CA, as during a rotation). Skipped, not the whole batch: the rest of the
+    stream must go on."""
     refused = ctx.verifier.refusals(entries)
-    if not refused:
-        return entries, marks
-    held = dict(marks)
     for entry, reason in refused:
         ctx.counters.inc("replicator_registry_rows_refused_total", peer)
         log.warning("registry_row_refused", peer=peer, name=entry.id[:70], reason=reason, sample_by=("peer", "name"))
-        if entry.origin in held:
-            held[entry.origin] = min(held[entry.origin], entry.version - 1)
+        refused_below[entry.origin] = min(refused_below.get(entry.origin, entry.version), entry.version - 1)
+    if not refused_below:
+        return entries, marks
+    held = {origin: min(mark, refused_below.get(origin, mark)) for origin, mark in marks.items()}
     dropped = {id(entry) for entry, _ in refused}
     return [entry for entry in entries if id(entry) not in dropped], held

@@ -7,12 +7,16 @@
   holding the newer version this node wrote, once the audit log no longer holds that write.
 - A database created by a client's first write is not a lost file: its versions follow the wall clock, so a later
   write made elsewhere wins, and a peer whose clock is a little behind takes its records at once.
+- On a line a-b-c, when a and b both lose their file and a's write survives on c alone, a does not end its
+  recovery on the word of b, which recovers too; b takes a's origin from c while it recovers; the write survives
+  on every node, purges and all.
 
 Each test ends with equal digests on every node and every acknowledged write and delete in place.
 """
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import sqlite3
 import time
@@ -80,6 +84,57 @@ async def test_a_lost_node_waits_for_the_peer_holding_its_newest_writes_and_keep
         assert not cluster["a"].events("foreign_origin_refused")
         await cluster.wait_converged("system", timeout=30)
         await assert_identical(cluster, [DATABASE, "system"])
+    finally:
+        await cluster.close()
+
+
+async def test_on_a_line_two_lost_neighbours_keep_the_write_that_survives_beyond_them(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    replication = {**FAST, "tombstone_retention": 1.0, "prune_interval": 0.5, "failover_after": 2.0}
+    cluster = make_cluster(["a", "b", "c"], workers=1, topology="line", replication=replication)
+    ledger = Ledger(cluster, DATABASE)
+    cluster.start()
+    try:
+        await cluster.wait_ready()
+        await ledger.put("a", "r", "kept by c")
+        await ledger.put("c", "c-1", "c's")
+        await cluster.wait_converged(DATABASE, timeout=60, expect_count=2)
+
+        for name in ("c", "a", "b"):
+            assert cluster[name].stop() == 0
+        for name in ("a", "b"):
+            for path in (cluster[name].dir / "data").glob(f"{DATABASE}.sqlite*"):
+                path.unlink()
+        cluster["b"].start()
+        cluster["a"].start()
+        await cluster.wait_ready(["a", "b"])
+        # a writes again: its file is a lost one, and its only peer lost the database too.
+        await ledger.put("a", "after", "the loss")
+        state = await wait_for(lambda: _waiting(cluster, "a", DATABASE, "b"), 60, "a's recovery waiting for b")
+        assert state["state"] == "recovering", state
+
+        async def b_recovering() -> bool:
+            return (await _recovery(cluster, "b", DATABASE)).get("state") == "recovering"
+
+        await wait_for(b_recovering, 60, "b's file of the database, lost too, recovering")
+        assert (await _recovery(cluster, "a", DATABASE))["state"] == "recovering"  # b is no witness yet
+
+        cluster["c"].start()
+        await cluster.wait_ready(["c"])
+
+        async def recovered(name: str) -> bool:
+            return (await _recovery(cluster, name, DATABASE)).get("state") == "recovered"
+
+        await wait_for(lambda: recovered("b"), 90, "b's recovery once c served it")
+        await wait_for(lambda: recovered("a"), 90, "a's recovery once b was whole")
+        await cluster.wait_converged(DATABASE, timeout=60, expect_count=3)
+        # Purges run (a second of tombstone_retention) and every pair's rounds: the write is not taken for deleted.
+        await asyncio.sleep(3)
+        for name in cluster.nodes:
+            status, body = await cluster.admin_request(name, "POST", f"/antientropy/{DATABASE}")
+            assert status == 200, body
+        await cluster.wait_converged(DATABASE, timeout=60, expect_count=3)
+        await ledger.check()
+        await assert_identical(cluster, [DATABASE])
     finally:
         await cluster.close()
 

@@ -147,8 +147,9 @@ async def test_a_batch_whose_registry_rows_are_refused_does_not_move_the_positio
     pair: tuple[LocalCluster, Path],
 ) -> None:
     """A registry row that does not verify here (a CA this node does not trust yet, during a rotation) is not
-    stored, so the batch's mark for its origin must stop below it: the next session asks for it again (invariant
-    13), and once it verifies it arrives. Seen from the peer's side, in what the node's next Subscribe says."""
+    stored, so the batch's mark for its origin must stop below it, and so must the marks of every later batch of
+    the session (the sender does not know): the next session asks for it again (invariant 13), and once it
+    verifies it arrives. Seen from the peer's side, in what the node's next Subscribe says."""
     cluster, folder = pair
     version = int(time.time() * 1_000_000)
     sessions: list[wire.Subscribe] = []
@@ -160,8 +161,13 @@ async def test_a_batch_whose_registry_rows_are_refused_does_not_move_the_positio
             await ws.receive(timeout=60)
             return
         row = wire.Entry("nodes", "ghost", msgspec.msgpack.encode({"not": "a signed row"}), version, "mallet")
-        await ws.send_bytes(wire.encode(wire.Batch(entries=[row], marks={"mallet": version + 10}, caught_up=True)))
+        await ws.send_bytes(wire.encode(wire.Batch(entries=[row], marks={"mallet": version + 10})))
         await ws.receive(timeout=10)  # the ack
+        # A later batch of the session, whose one entry (a removal needs no signature) is taken: its mark too
+        # must stay below the row refused before it.
+        removal = wire.Entry("nodes", "ghost-2", b"", version + 20, "mallet", tombstone=True)
+        await ws.send_bytes(wire.encode(wire.Batch(entries=[removal], marks={"mallet": version + 30}, caught_up=True)))
+        await ws.receive(timeout=10)
         await ws.close(code=wire.CLOSE_GOING_AWAY, message=b"again")
 
     peer = FakePeer(cluster, folder, refused_row)

@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
-from tests.sim.simulation import Outcome, run_seed
+from tests.sim.simulation import NEMESIS, Outcome, run_seed
 
 
-def replay_command(seed: int) -> str:
-    return f"python -m tests.sim --seed {seed}"
+def replay_command(seed: int, nemesis: int = NEMESIS) -> str:
+    return f"python -m tests.sim --seed {seed}" + ("" if nemesis == NEMESIS else f" --nemesis {nemesis}")
 
 
-def _one(seed: int) -> tuple[int, list[str]]:
-    outcome = run_seed(seed)
+def _one(seed: int, nemesis: int = NEMESIS) -> tuple[int, list[str]]:
+    outcome = run_seed(seed, nemesis=nemesis)
     return seed, outcome.violations
 
 
@@ -28,9 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--scenario", help="run one scripted scenario (tests.sim.scenarios), or 'all'")
     parser.add_argument("--start", type=int, default=0, help="the first seed of --seeds")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes for --seeds")
+    parser.add_argument("--nemesis", type=int, default=NEMESIS, choices=(1, 2), help="the faults drawn (simulation)")
     args = parser.parse_args(argv)
     if args.seed is not None:
-        outcome = run_seed(args.seed)
+        outcome = run_seed(args.seed, nemesis=args.nemesis)
         print("\n".join(outcome.trace))
         return _report(outcome)
     if args.scenario is not None:
@@ -49,10 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     failing: list[tuple[int, list[str]]] = []
     seeds = range(args.start, args.start + args.seeds)
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        for seed, violations in pool.map(_one, seeds, chunksize=16):
+        for seed, violations in pool.map(functools.partial(_one, nemesis=args.nemesis), seeds, chunksize=16):
             if violations:
                 failing.append((seed, violations))
-                print(f"seed {seed}: {violations[0]}  (replay: {replay_command(seed)})", flush=True)
+                print(f"seed {seed}: {violations[0]}  (replay: {replay_command(seed, args.nemesis)})", flush=True)
     elapsed = time.monotonic() - started
     print(
         f"{args.seeds} seeds from {args.start} in {elapsed:.1f} s on {args.jobs} processes"

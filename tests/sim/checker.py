@@ -55,19 +55,42 @@ class Ledger:
     def acknowledged(self, key: Key, op: Op) -> None:
         self.ops.setdefault(key, []).append(op)
 
-    def lose_markers(self, cluster: Cluster, node: SimNode, restored: bool = False) -> int:
-        """`node`'s system database is going: its deletions whose markers no other node holds go with it.
-        `restored`: it was replaced by a backup, already in place: a marker the backup holds is not gone."""
+    def lose_markers(self, cluster: Cluster, node: SimNode, restored: bool = False, files_stay: bool = False) -> int:
+        """`node`'s system database is going: the deletions whose markers no other node holds go with it (its own,
+        or another node's that only it had kept, the deleter's copy gone before).
+        `restored`: it was replaced by a backup, already in place: a marker the backup holds is not gone.
+        `files_stay`: only the system database goes, the node's other files stay."""
         others = [other.rows("system") for other in cluster if restored or other is not node]
+        keepers = [other for other in cluster if restored or files_stay or other is not node]
         lost = 0
         for deletion in self.deletions:
-            if deletion.lost or deletion.node != node.name:
+            if deletion.lost:
                 continue
             key = ("dropped", f"{deletion.database}@{deletion.node}")
-            if not any(rows.get(key, (0, "", False))[0] >= deletion.marker for rows in others):
-                deletion.lost = True
-                lost += 1
+            if any(rows.get(key, (0, "", False))[0] >= deletion.marker for rows in others):
+                continue
+            # A file of the database that took the deletion's floors (one created since, born with them) keeps
+            # them, and applies them still.
+            if any(deletion.floors.within(other.file_floors(deletion.database)) for other in keepers):
+                continue
+            deletion.lost = True
+            lost += 1
+            self._forgotten(keepers, deletion)
         return lost
+
+    def _forgotten(self, keepers: list[SimNode], deletion: Deletion) -> None:
+        """A deletion forgotten before any other node had it: what it had removed on its own node and no node holds
+        any more went with it, as the deletion asked (writes acknowledged before it that it covers). `keepers`: the
+        nodes whose files stay."""
+        held = [other.rows(deletion.database) for other in keepers if other.dir.exists()]
+        for (name, table, record_id), ops in self.ops.items():
+            if name != deletion.database:
+                continue
+            for op in ops:
+                if op.lost or op.at > deletion.at or not deletion.floors.covers(op.node, op.version):
+                    continue
+                if not any(_holds(rows.get((table, record_id)), op) for rows in held):
+                    op.lost = True
 
     def deleted_before(self, database: str, op: Op) -> bool:
         """Does a deletion asked for after `op` was acknowledged cover it? (One asked for before it that covers it
@@ -95,7 +118,7 @@ class Ledger:
         after `since`, and any other node's whose only trace was here (held, or under a newer version that went
         too)."""
         others = [other for other in cluster if other is not node and other.dir.exists()]
-        held = [other.rows(database) for other in others]
+        held = [(other.rows(database), other.complete(database)) for other in others]
         lost = 0
         for (name, table, record_id), ops in self.ops.items():
             if name != database:
@@ -103,42 +126,67 @@ class Ledger:
             for op in sorted(ops, key=lambda op: (op.version, op.node), reverse=True):
                 if op.lost:
                     continue
-                if any(_holds(rows.get((table, record_id)), op) for rows in held):
-                    break  # it survives, and so does what it superseded (as superseded)
+                if any(
+                    _holds(rows.get((table, record_id)), op)
+                    or (op.value is None and (table, record_id) not in rows and complete.get(op.node, 0) >= op.version)
+                    for rows, complete in held
+                ):
+                    break  # it survives (a delete whose tombstone was purged too), and what it superseded with it
                 if op.node == node.name and op.at <= since:
                     break  # in the backup that replaces the file
                 op.lost = True
                 lost += 1
         return lost
 
+    def restored(self, cluster: Cluster, node: SimNode) -> int:
+        """`node`'s data directory was replaced by a backup: what the backup holds is in the cluster again, an
+        operation counted lost since (its file lost after the backup was taken, say) among it."""
+        found = 0
+        for database in {name for name, _, _ in self.ops}:
+            rows = node.rows(database)
+            for (name, table, record_id), ops in self.ops.items():
+                if name != database:
+                    continue
+                for op in ops:
+                    if op.lost and _holds(rows.get((table, record_id)), op):
+                        op.lost = False
+                        found += 1
+        return found
+
     # -- checks ------------------------------------------------------------------------------------------------
 
-    def positions(self, cluster: Cluster) -> list[str]:
+    def positions(self, cluster: Cluster, only: tuple[SimNode, str] | None = None) -> list[str]:
+        """The positions check, on every node and database (or `only` one node's database)."""
         problems = []
-        for node in cluster.up():
+        if only is not None:
+            targets = [only] if only[0].up and only[0].store.path(only[1]).exists() else []  # type: ignore[union-attr]
+        else:
+            targets = [(node, database) for node in cluster.up() for database in node.files()]
+        for node, database in targets:
             assert node.store is not None
-            for database in node.files():
-                db = node.store.database(database)
-                complete = {origin: held.complete for origin, held in db.origins().items()}
-                # What a deletion covers no longer exists, wherever the marker has reached by now.
-                floors = db.dropped_floor.merge(self.covering(database))
-                rows = node.rows(database)
-                for (name, table, record_id), ops in self.ops.items():
-                    if name != database:
+            db = node.store.database(database)
+            complete = {origin: held.complete for origin, held in db.origins().items()}
+            # What a deletion covers no longer exists, wherever the marker has reached by now.
+            floors = db.dropped_floor.merge(self.covering(database))
+            rows = node.rows(database)
+            for (name, table, record_id), ops in self.ops.items():
+                if name != database:
+                    continue
+                row = rows.get((table, record_id))
+                for op in ops:
+                    origin = op.node
+                    if op.lost or op.version > complete.get(origin, 0) or floors.covers(origin, op.version):
                         continue
-                    row = rows.get((table, record_id))
-                    for op in ops:
-                        origin = op.node
-                        if op.lost or op.version > complete.get(origin, 0) or floors.covers(origin, op.version):
-                            continue
-                        if _holds(row, op) or (row is None and (op.value is None or _purged_delete(ops, op, complete))):
-                            continue  # held, superseded, or deleted (a delete's tombstone purged is still a delete)
-                        if _superseded_elsewhere(ops, op, complete) or _superseded_then_deleted(ops, op, floors):
-                            continue
-                        problems.append(
-                            f"{node.name}/{database}: complete for {origin} at {complete[origin]} but"
-                            f" {table}/{record_id}@{op.version} is {'absent' if row is None else row}"
-                        )
+                    if _holds(row, op) or (row is None and (op.value is None or _purged_delete(ops, op, complete))):
+                        continue  # held, superseded, or deleted (a delete's tombstone purged is still a delete)
+                    if _superseded_elsewhere(ops, op, complete) or _superseded_then_deleted(ops, op, floors):
+                        continue
+                    if _superseded_then_lost(ops, op):
+                        continue  # the mark covered it through a newer version since lost: anti-entropy's to repair
+                    problems.append(
+                        f"{node.name}/{database}: complete for {origin} at {complete[origin]} but"
+                        f" {table}/{record_id}@{op.version} is {'absent' if row is None else row}"
+                    )
         return problems
 
     def deletions_cover_only_the_past(self, cluster: Cluster) -> list[str]:
@@ -213,6 +261,14 @@ def _superseded_elsewhere(ops: list[Op], op: Op, complete: dict[str, int]) -> bo
         and complete.get(later.node, 0) < later.version
         for later in ops
     )
+
+
+def _superseded_then_lost(ops: list[Op], op: Op) -> bool:
+    """Was `op` superseded by a newer version of the record whose only copies went (a file lost before it spread)?
+    A relay's mark covered `op` through that version, as `_superseded_elsewhere` says; with it gone, the position
+    stays past a version the node does not hold, and the record is anti-entropy's to repair (the final check and
+    the digests say it was)."""
+    return any(later.lost and (later.version, later.node) > (op.version, op.node) for later in ops)
 
 
 def _superseded_then_deleted(ops: list[Op], op: Op, floors: DeletionFloors) -> bool:

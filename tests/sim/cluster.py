@@ -5,9 +5,11 @@ rules in `shared.own_writes`), the sender's plan (`workers.sender.OriginPlan`), 
 stand-in for a deleted database (`workers.dropped`), anti-entropy rounds (`workers.antientropy.Round`, over a
 transport that answers from the peer's file), routing (`coordinator.routing.Router`, its timers on the virtual
 clock), recovery (`coordinator.recovery.Recoveries`), retention (`coordinator.retention`) and deletion
-(`shared.dropped`, `Database.drop_through`). What the sim writes itself is what the network, the processes and
-the coordinator's bookkeeping do around them: which sessions exist, what a Subscribe and a Schema carry, when a
-batch is sent and when it arrives.
+(`shared.dropped`, `Database.drop_through`), the subscriber's refusal of registry rows that do not verify
+(`workers.session.refuse_registry_rows`) and the stall check (`workers.session.ahead_of` against the sender's
+`OriginPlan.heads`, `coordinator.replication_map.PairState.stalled`). What the sim writes itself is what the
+network, the processes and the coordinator's bookkeeping do around them: which sessions exist, what a Subscribe and
+a Schema carry, when a batch is sent and when it arrives.
 
 A session (subscriber -> peer, database) follows the protocol: on connect the subscriber sends its progress, the
 origins it does not want from the peer and how far it wants its own writes back; the sender checks the claim on
@@ -18,6 +20,7 @@ whatever is in flight. Every choice is made by the simulation's seeded random so
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import shutil
@@ -32,13 +35,16 @@ import msgspec
 
 from replicator.coordinator import retention
 from replicator.coordinator.recovery import Recoveries
+from replicator.coordinator.replication_map import PairState
 from replicator.coordinator.routing import Router
-from replicator.shared import dropped, own_writes
+from replicator.shared import deletion, dropped, membership, messages, own_writes
+from replicator.shared.deletion import NO_DELETION, DeletionFloors
 from replicator.shared.store import SYSTEM, Database, DatabaseRemoving, Store, UnknownDatabase
 from replicator.shared.wire import Entry
 from replicator.workers import antientropy
 from replicator.workers.dropped import DroppedDatabase, open_for_subscription
 from replicator.workers.sender import OriginPlan
+from replicator.workers.session import ahead_of, refuse_registry_rows
 
 EPOCH = 1_800_000_000.0  # the virtual clock's zero, on the wall clock
 WINDOW = 4  # batches in flight per session
@@ -51,6 +57,7 @@ class Settings:
     tombstone_retention: float = 40.0
     audit_retention: float = 30.0
     failover_after: float = 10.0
+    stall_threshold: float = 20.0
     batch_size: int = 6
 
 
@@ -114,16 +121,32 @@ def drive(coroutine: Any) -> Any:
 
 
 @dataclass
-class Pair:
-    """This node's subscription to `peer` for `database` (`coordinator.replication_map.PairState`, as recovery reads
-    it), and the session that carries it while connected."""
+class Pair(PairState):
+    """This node's subscription to `peer` for `database`: the coordinator's `PairState` (what recovery and the stall
+    check read), and the session that carries it while connected."""
 
-    peer: str
-    database: str
-    connected: bool = False
-    caught_up: bool = False
-    connected_at: float | None = None
+    peer: str = ""
     session: Session | None = None
+
+
+class Trust:
+    """What `membership.Verifier` decides of the registry rows a node is served: a row verifies unless its signer's
+    CA is missing from this node's bundle (`distrusted`: a CA rotation half done)."""
+
+    def __init__(self) -> None:
+        self.distrusted: set[str] = set()
+
+    def refusals(self, entries: Any) -> list[tuple[Any, str]]:
+        return [
+            (entry, f"signed under a CA of {entry.origin} this node's bundle lacks")
+            for entry in entries
+            if entry.table in membership.TABLES and not entry.tombstone and entry.origin in self.distrusted
+        ]
+
+
+class _Counters:
+    def inc(self, *args: Any, **kwargs: Any) -> None:
+        pass
 
 
 class _WorkerContext:
@@ -131,6 +154,8 @@ class _WorkerContext:
 
     def __init__(self, node: SimNode) -> None:
         self._node = node
+        self.verifier = node.trust
+        self.counters = _Counters()
 
     @property
     def store(self) -> Store:
@@ -154,6 +179,8 @@ class SimNode:
         self.pairs: dict[tuple[str, str], Pair] = {}
         self.holds: set[str] = set()  # what the registry says this node holds (kept while it is down)
         self.renew: set[tuple[str, str]] = set()  # pairs whose subscription changed: their session must be renewed
+        self.trust = Trust()
+        self.stall_kicks = 0
         self.ctx = _WorkerContext(self)
 
     # -- clock and life ------------------------------------------------------------------------------------------
@@ -224,39 +251,77 @@ class SimNode:
             recovering = self.store.database(name).recovering
         except UnknownDatabase:
             return
-        if recovering:
+        if recovering and name not in self.recoveries:
             self.recoveries.begin(name, wall=self.wall(), now=self.cluster.loop.time())
+            self._resubscribe(name)  # every origin from every peer while it recovers
+
+    def _resubscribe(self, database: str) -> None:
+        for peer, name in self.pairs:
+            if name == database:
+                self.renew.add((peer, name))
 
     # -- what the coordinator decides ------------------------------------------------------------------------------
 
+    def exclude(self, database: str, peer: str) -> list[str]:
+        """The origins this node's subscription to `peer` does not take (`Node._payload`): none while the database
+        recovers, what the router says otherwise."""
+        assert self.router is not None
+        return [] if database in self.recoveries else self.router.exclude(database, peer)
+
     def _route_changed(self, database: str) -> None:
         for (peer, name), pair in self.pairs.items():
-            if name == database and pair.session is not None:
-                assert self.router is not None
-                if sorted(self.router.exclude(database, peer)) != sorted(pair.session.exclude):
-                    self.renew.add((peer, name))
+            session = pair.session
+            if name == database and session is not None and sorted(self.exclude(name, peer)) != sorted(session.exclude):
+                self.renew.add((peer, name))
 
     def regressed(self, database: str, floor: int) -> None:
         if self.recoveries.regressed(database, floor, wall=self.wall(), now=self.cluster.loop.time()):
-            for peer, name in self.pairs:
-                if name == database:
-                    self.renew.add((peer, name))
+            self._resubscribe(database)
 
     def check_recoveries(self) -> None:
         assert self.store is not None
         trusted = SYSTEM not in self.recoveries
         for database in self.recoveries.recovering():
             pairs = {pair.peer: pair for (peer, name), pair in self.pairs.items() if name == database}
-            held_elsewhere = any(database in node.holds for node in self.cluster.nodes.values() if node is not self)
-            if not self.recoveries.ready(database, pairs, held_elsewhere=held_elsewhere, registry_trusted=trusted):
+            holders = [
+                node.name
+                for node in self.cluster.nodes.values()
+                if node is not self and (database == SYSTEM or database in node.holds)
+            ]
+            asked = functools.partial(tuple, holders)
+            if not self.recoveries.ready(database, pairs, holders=asked, registry_trusted=trusted):
                 continue
             try:
                 records = self.store.database(database).finish_recovery()
             except UnknownDatabase:
                 continue
             self.recoveries.finish(database, records, wall=self.wall())
+            self._resubscribe(database)  # its origins are routed again
             if database == SYSTEM:
                 break  # the others are looked at again with the whole registry
+
+    def check_stalls(self) -> None:
+        """The coordinator's stall check (`Node._kick_stalled`): the subscriber compares the sender's heads with what
+        it holds complete (as `wire.Heads` would tell it now) and a pair ahead whose positions have not moved for
+        stall_threshold is renewed."""
+        now = self.cluster.loop.time()
+        for _, pair in sorted(self.pairs.items(), key=lambda item: item[0]):
+            session = pair.session
+            if session is None:
+                continue
+            try:
+                heads = session.plan.heads(session.source)
+            except (UnknownDatabase, DatabaseRemoving):
+                continue
+            ceiling = int((self.wall() + self.cluster.settings.max_clock_skew) * US)
+            heads = {origin: head for origin, head in heads.items() if head <= ceiling}
+            pair.note_ahead(ahead_of(heads, session.target.progress()), now)
+            if pair.stalled(now, self.cluster.settings.stall_threshold):
+                self.cluster.trace(f"stall kick {self.name}<-{pair.peer}/{pair.database}: ahead {pair.ahead}")
+                pair.stall_kicked_at = now
+                self.stall_kicks += 1
+                self.cluster.disconnect(pair)
+                self.cluster.connect(self, pair)
 
     def tombstone_purge(self) -> int:
         """The node's retention pass: prune the audit history, purge the tombstones every holder has."""
@@ -314,6 +379,38 @@ class SimNode:
                 self.store.unblock(name)
         return removed
 
+    def file_floors(self, database: str) -> DeletionFloors:
+        """The deletion floors this node's file of `database` keeps (`shared.deletion`), read behind the store's
+        back; none without a file."""
+        path = self.dir / f"{database}.sqlite"
+        if not path.exists() or database == SYSTEM:
+            return NO_DELETION
+        with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
+            try:
+                return deletion.floors(conn)
+            except sqlite3.Error:
+                return NO_DELETION
+
+    def complete(self, database: str) -> dict[str, int]:
+        """Per origin, the version the node's file of `database` holds complete (`Database.origins`), read behind the
+        store's back when the node is down."""
+        path = self.dir / f"{database}.sqlite"
+        if not path.exists():
+            return {}
+        if self.store is not None:
+            try:
+                return {origin: held.complete for origin, held in self.store.database(database).origins().items()}
+            except (UnknownDatabase, DatabaseRemoving):
+                return {}
+        with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
+            try:
+                held = dict(conn.execute("SELECT origin, complete FROM origins").fetchall())
+                if self.name in held:
+                    held[self.name] = own_writes.read(conn, self.name).complete
+            except sqlite3.Error:
+                return {}
+        return held
+
     def rows(self, database: str) -> dict[tuple[str, str], tuple[int, str, bool]]:
         """Every row of the database's file as it stands, read behind the store's back (on its connection, when the
         node is up)."""
@@ -355,29 +452,43 @@ class Session:
     plan: OriginPlan
     target: Database | DroppedDatabase
     source: Database
-    in_flight: list[tuple[list[Entry], dict[str, int], bool]] = field(default_factory=list)
+    # (entries, marks, caught up, the sender's file recovering): `wire.Batch`
+    in_flight: list[tuple[list[Entry], dict[str, int], bool, bool]] = field(default_factory=list)
     told_caught_up: bool = False
+    told_recovering: bool = False
+    # The sender stopped serving while the session stays up (a renewal the worker never did: issue 20's hole 5).
+    silent: bool = False
+    refused_below: dict[str, int] = field(default_factory=dict)
 
     def send(self) -> bool:
         """The sender makes its next batch (or says it is caught up), if its window has room; True if it sent."""
-        if len(self.in_flight) >= WINDOW:
+        if len(self.in_flight) >= WINDOW or self.silent:
             return False
         limit = self.cluster.settings.batch_size
+        recovering = self.source.recovering
         entries, marks, more = self.plan.next_batch(self.source, limit)
         if not entries and not marks:
-            if self.told_caught_up or self.plan.blocked:
+            # Said again when the sender's file stops recovering (`Sender._serve`).
+            if (self.told_caught_up and self.told_recovering == recovering) or self.plan.blocked:
                 return False
-            self.in_flight.append(([], {}, True))
-            self.told_caught_up = True
+            self.in_flight.append(([], {}, True, recovering))
+            self.told_caught_up, self.told_recovering = True, recovering
             return True
         caught_up = not more and not self.plan.blocked
-        self.in_flight.append((entries, marks, caught_up))
-        self.told_caught_up = caught_up
+        self.in_flight.append((entries, marks, caught_up, recovering))
+        self.told_caught_up, self.told_recovering = caught_up, recovering
         return True
+
+    def report_holds(self) -> None:
+        """The subscriber's `wire.Holds`: what it holds complete of every origin, its own and those it gets over
+        other links included, for the sender's node to purge by (`Sender._take_holds`)."""
+        holds = self.sender.peer_holds.setdefault((self.database, self.subscriber.name), {})
+        for origin, version in self.target.progress().items():
+            holds[origin] = max(holds.get(origin, 0), version)
 
     def deliver(self) -> None:
         """The oldest batch in flight arrives: checked as the subscriber checks it, applied with its marks, acked."""
-        entries, marks, caught_up = self.in_flight.pop(0)
+        entries, marks, caught_up, recovering = self.in_flight.pop(0)
         sub = self.subscriber
         ceiling = int((sub.wall() + self.cluster.settings.max_clock_skew) * US)
         top = max([entry.version for entry in entries] + list(marks.values()) + [0])
@@ -388,6 +499,14 @@ class Session:
                 raise SessionEnded(f"the sender served {entry.table}/{entry.id} under our origin")
             if entry.origin in self.exclude:
                 raise SessionEnded(f"the sender served {entry.table}/{entry.id} of an excluded origin (a bug here)")
+        if self.database == SYSTEM:
+            entries, marks = refuse_registry_rows(
+                self.subscriber.ctx,  # type: ignore[arg-type]
+                self.sender.name,
+                entries,
+                marks,
+                self.refused_below,
+            )
         self.target.apply_batch(entries, marks)
         # The ack: the sender learns what the subscriber holds now.
         holds = self.sender.peer_holds.setdefault((self.database, sub.name), {})
@@ -396,6 +515,9 @@ class Session:
         pair = sub.pairs.get((self.sender.name, self.database))
         if pair is not None and pair.session is self:
             pair.caught_up = caught_up
+            pair.peer_recovering = recovering
+            if entries or marks:
+                pair.last_progress_at = self.cluster.loop.time()
             assert sub.router is not None
             sub.router.report(self.database, self.sender.name, up=True, caught_up=caught_up)
             if caught_up and self.database in sub.recoveries:
@@ -449,7 +571,8 @@ class Cluster:
         wanted = set(self.wanted_pairs(node))
         for key in sorted(wanted - set(node.pairs)):
             peer, database = key
-            node.pairs[key] = Pair(peer=peer, database=database)
+            payload = messages.Subscribe(key=peer, peer=peer, url=f"wss://{peer}", database=database)
+            node.pairs[key] = Pair(database=database, payload=payload, created_at=self.loop.time(), peer=peer)
             node.router.track(database, peer)
         for key in sorted(set(node.pairs) - wanted):
             pair = node.pairs.pop(key)
@@ -473,7 +596,7 @@ class Cluster:
             node.holds.add(pair.database)
             node.note_database(pair.database)
         progress = target.progress()
-        exclude = node.router.exclude(pair.database, peer.name)
+        exclude = node.exclude(pair.database, peer.name)
         own_upto = target.own_history().asks
         settings = self.settings
         # The sender: the subscriber's claim on the sender's own origin, as `Sender._check_regression` checks it.
@@ -497,6 +620,7 @@ class Cluster:
         pair.connected = True
         pair.caught_up = False
         pair.connected_at = self.loop.time()
+        pair.note_ahead({}, self.loop.time())  # a new session's first report: nothing seen ahead yet
         node.renew.discard((peer.name, pair.database))
         node.router.report(pair.database, peer.name, up=True)
         if behind and isinstance(target, Database) and not target.is_empty():
@@ -538,7 +662,12 @@ class Cluster:
             return None
         ceiling = int((node.wall() + self.settings.max_clock_skew) * US)
         round_ = antientropy.Round(
-            mine, antientropy.local_transport(theirs), rate=0.0, ceiling=lambda: ceiling, ca=None
+            mine,
+            antientropy.local_transport(theirs),
+            rate=0.0,
+            ceiling=lambda: ceiling,
+            ca=None,
+            verifier=node.trust,  # type: ignore[arg-type]
         )
         result = drive(round_.run())
         if result.repaired or result.foreign:

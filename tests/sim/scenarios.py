@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from replicator.shared import membership
 from replicator.shared.store import SYSTEM
 from tests.sim.cluster import Settings
 from tests.sim.simulation import Outcome, Simulation
@@ -254,6 +255,97 @@ def a_flapping_link_fails_over() -> Outcome:
     return _run(script, settings=Settings(failover_after=10.0))
 
 
+def a_silent_pair_is_renewed() -> Outcome:
+    """Hole 5: c's session from a stays up while a sends it nothing (the renewal a worker never did); a's writes
+    reach b but not c, by any signal fine. The stall check sees a ahead of c's position, not moving, and renews
+    the session once stall_threshold has passed: the writes arrive."""
+
+    def script(sim: Simulation) -> None:
+        sim.put("a", "d0", "before", 1)
+        sim.settle()
+        c = sim.cluster.nodes["c"]
+        pair = c.pairs[("a", "d0")]
+        assert pair.session is not None
+        pair.session.silent = True
+        version = sim.put("a", "d0", "during", "the silence")
+        sim.settle()
+        _expect(sim, _value(sim, "c", "during") is None, "the silent session delivered")
+        _expect(sim, bool(pair.ahead), f"c does not see a ahead of it: {pair.ahead}")
+        sim.cluster.loop.advance(sim.cluster.settings.stall_threshold + 1)
+        sim.settle()
+        held = _value(sim, "c", "during")
+        _expect(sim, c.stall_kicks == 1, f"c renewed the pair {c.stall_kicks} times, not once")
+        _expect(sim, held is not None and held[0] == version, f"c holds {held} after the stall kick")
+
+    return _run(script)
+
+
+def a_refused_registry_row_holds_the_position() -> Outcome:
+    """Hole 6: c's CA bundle lacks b's CA (a rotation half done), so b's newly signed registry row is refused there;
+    the CA arrives, and b introduces a node, a row c takes. c's position for b must stay below the refused row on
+    that session (its marks would carry it past), and the next session serves the row again."""
+
+    def script(sim: Simulation) -> None:
+        sim.settle()
+        b, c = sim.cluster.nodes["b"], sim.cluster.nodes["c"]
+        c.trust.distrusted.add("b")
+        sim._register(b)
+        sim.settle()
+        row = b.rows(SYSTEM).get((membership.NODES, "b"))
+        assert row is not None
+        _expect(sim, c.rows(SYSTEM).get((membership.NODES, "b")) != row, "c stored a row it could not verify")
+        c.trust.distrusted.clear()
+        sim._register(b, introduce="a")
+        sim.settle()
+        assert c.store is not None
+        position = c.store.database(SYSTEM).progress().get("b", 0)
+        _expect(sim, position < row[0], f"c's position for b at {position}, past the refused row at {row[0]}")
+        sim.cluster.loop.advance(sim.cluster.settings.stall_threshold + 1)
+        sim.settle()
+        _expect(sim, c.rows(SYSTEM).get((membership.NODES, "b")) == row, "c never got b's row once it verified")
+
+    return _run(script)
+
+
+def two_neighbours_lost_on_a_line() -> Outcome:
+    """Found by seed 108 of nemesis 2: on a line a-b-c, a and b both lose their file while a's write survives on c
+    alone, and b cannot reach c yet. a must not end its recovery on the word of b, which recovers it too, and b
+    must take a's origin from c while it recovers (a's own stream would exclude it); otherwise a promises its own
+    origin complete past the write, the purge rule then reads its absence as a purged delete, and the last copy
+    goes."""
+
+    def script(sim: Simulation) -> None:
+        version = sim.put("a", "d0", "r", "only on c, in the end")
+        sim.settle()
+        for name in ("a", "b"):
+            sim.stop(name)
+            sim.lose(name, "d0")
+        sim.cut("b", "c")
+        sim.cut("c", "b")
+        sim.start("a")
+        sim.start("b")
+        sim.settle()
+        sim.put("a", "d0", "after", "the loss")
+        sim.settle()
+        a = sim.cluster.nodes["a"]
+        _expect(sim, "d0" in a.recoveries, "a's d0 recovered on the word of b, which recovers it too")
+        sim.heal_link("b", "c")
+        sim.heal_link("c", "b")
+        settings = sim.cluster.settings
+        for _ in range(4):
+            sim.settle()
+            sim.rounds()
+            for node in sim.cluster:
+                node.tombstone_purge()
+            sim.cluster.loop.advance(settings.tombstone_retention)
+        _expect(sim, "d0" not in a.recoveries, "a's d0 still recovering once b was whole")
+        for name in "abc":
+            held = _value(sim, name, "r")
+            _expect(sim, held is not None and held[0] == version, f"{name} holds r as {held}, not at {version}")
+
+    return _run(script, shape="line")
+
+
 ALL: dict[str, Callable[[], Outcome]] = {
     "lost-own": lost_own_newest_write,
     "damaged-lagging": damaged_row_repaired_from_a_lagging_peer,
@@ -263,4 +355,7 @@ ALL: dict[str, Callable[[], Outcome]] = {
     "never-dialled": a_recovery_waits_for_a_peer_never_dialled,
     "old-backup": a_restore_from_before_a_purge,
     "flapping-link": a_flapping_link_fails_over,
+    "silent-pair": a_silent_pair_is_renewed,
+    "refused-registry-row": a_refused_registry_row_holds_the_position,
+    "line-two-lost": two_neighbours_lost_on_a_line,
 }

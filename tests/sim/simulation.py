@@ -9,7 +9,10 @@ digests within a bounded number of rounds (`tests.sim.checker`).
 The nemesis: nodes stop and start (all their sessions end), a stopped node loses a file or its whole data directory
 or is restored from an older backup of itself, links go down and up (one direction at a time too), rows are
 damaged behind the store's back, clocks move within max_clock_skew, databases are deleted cluster-wide, retention
-prunes and purges. Everything is drawn from `random.Random(seed)`: the same seed is the same run.
+prunes and purges; since nemesis 2 (`NEMESIS`), a node's CA bundle lacks a peer's CA for a while (the peer's registry
+rows do not verify there), a node signs its registry row again, and a session goes silent while it stays up (the
+sender serves nothing: the renewal a worker never did), which only the stall check can end. Everything is drawn from
+`random.Random(seed)`: the same seed and nemesis is the same run.
 """
 
 from __future__ import annotations
@@ -21,14 +24,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from replicator.shared import dropped
+from replicator.shared import dropped, membership
 from replicator.shared.logs import log
 from replicator.shared.store import SYSTEM, DamagedRecord, Database, DatabaseRemoving, UnknownDatabase
 from replicator.workers.dropped import DroppedDatabase
+from replicator.workers.session import ahead_of
 from tests.sim.checker import Deletion, Ledger, Op
 from tests.sim.cluster import Cluster, Pair, SessionEnded, Settings, SimNode, encode
 
 HEAL_ROUNDS = 12  # rounds after healing within which every node must hold the same data
+# The nemesis a run draws from. 1: as the simulation was first built (the seeds it found replay their bug with it);
+# 2: adds registry rows refused by a half-rotated CA bundle, registry rows signed again, and silent sessions, with
+# the stall check that ends them.
+NEMESIS = 2
 PUMP_LIMIT = 400  # batches per session per healing round
 
 
@@ -62,8 +70,10 @@ class Simulation:
         shape: str | None = None,
         databases: list[str] | None = None,
         settings: Settings | None = None,
+        nemesis: int = NEMESIS,
     ) -> None:
         self.seed = seed
+        self.nemesis = nemesis
         self.rng = random.Random(seed)
         rng = self.rng
         count = nodes or rng.randint(3, 5)
@@ -102,7 +112,7 @@ class Simulation:
         cluster.trace(f"seed {self.seed}: {len(cluster.nodes)} nodes, {self.shape}, databases {self.databases}")
         try:
             for node in cluster:
-                node.start()
+                self._boot(node)
             if script is not None:
                 script(self)
             else:
@@ -113,6 +123,7 @@ class Simulation:
                         self._check_positions()
             self._heal()
             self._check_positions()
+            self.violations += [f"after {HEAL_ROUNDS} rounds: {problem}" for problem in self._behind()]
             self.violations += self.ledger.deletions_cover_only_the_past(cluster)
             self.violations += self.ledger.final(cluster)
             self._check_digests()
@@ -158,8 +169,25 @@ class Simulation:
 
     def start(self, name: str) -> None:
         self.step += 1
-        self.cluster.nodes[name].start()
+        self._boot(self.cluster.nodes[name])
         self.cluster.trace(f"{name} started")
+
+    def _boot(self, node: SimNode) -> None:
+        node.start()
+        if self.nemesis >= 2:
+            self._register(node)
+
+    def _register(self, node: SimNode, introduce: str | None = None) -> None:
+        """The node signs its registry row (at boot, or with a renewed certificate), or an introduction of another
+        node: a write every node must end up holding."""
+        assert node.store is not None
+        table, record_id = (membership.NODES, node.name) if introduce is None else (membership.INTRODUCTIONS, introduce)
+        value = encode({"url": f"wss://{introduce or node.name}", "by": node.name, "step": self.step})
+        try:
+            version = node.store.database(SYSTEM).put(table, record_id, value)
+        except DamagedRecord:
+            return
+        self.ledger.acknowledged((SYSTEM, table, record_id), Op(node.name, version, value, self.step))
 
     def wipe(self, name: str) -> None:
         node = self.cluster.nodes[name]
@@ -169,6 +197,17 @@ class Simulation:
         self.ledger.lose_markers(self.cluster, node)
         shutil.rmtree(node.dir)
         self.cluster.trace(f"{name} wiped")
+
+    def lose(self, name: str, database: str) -> None:
+        """A stopped node's file of `database` is gone (its other files stay)."""
+        node = self.cluster.nodes[name]
+        assert not node.up
+        lost = self.ledger.lose_unreplicated(self.cluster, node, database)
+        if database == SYSTEM and self.ledger.lose_markers(self.cluster, node, files_stay=True):
+            self.cluster.trace(f"{name} lost a deletion only it still held")
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{node.dir / database}.sqlite{suffix}").unlink(missing_ok=True)
+        self.cluster.trace(f"{name} lost {database} ({lost} writes only it held)")
 
     def cut(self, dialler: str, target: str) -> None:
         self.cluster.cut.add((dialler, target))
@@ -264,6 +303,8 @@ class Simulation:
             if pair.session is None and self.rng.random() < 0.8:
                 cluster.connect(node, pair)
         node.check_recoveries()
+        if self.nemesis >= 2:
+            node.check_stalls()
 
     def _send(self) -> None:
         sessions = self.cluster.sessions()
@@ -287,6 +328,9 @@ class Simulation:
         target = session.target
         if isinstance(target, DroppedDatabase) and target.created:
             session.subscriber.holds.add(session.database)
+        # No position is ever ahead of the data it promises: checked where a position moves, as it moves.
+        only = (session.subscriber, session.database)
+        self.violations += [f"step {self.step}: {problem}" for problem in self.ledger.positions(self.cluster, only)]
 
     def _round(self) -> None:
         pairs = [(node, pair) for node in self.cluster.up() for pair in node.pairs.values() if pair.connected]
@@ -330,6 +374,14 @@ class Simulation:
             ("restore", self._restore),
         ]
         weights = [5, 6, 3, 2, 2, 5, 5, 3, 2, 2, 2, 2]
+        if self.nemesis >= 2:
+            kinds += [
+                ("distrust", self._distrust),
+                ("trust", self._trust),
+                ("register", self._reregister),
+                ("silence", self._silence),
+            ]
+            weights += [2, 2, 2, 2]
         name, fault = rng.choices(kinds, weights=weights)[0]
         if fault():
             self.faults += 1
@@ -394,7 +446,7 @@ class Simulation:
             lost = self.ledger.lose_unreplicated(self.cluster, node, path.name[: -len(".sqlite")])
             self.cluster.trace(f"{node.name} wiped: {path.name} ({lost} writes only it held)")
         if self.ledger.lose_markers(self.cluster, node):
-            self.cluster.trace(f"{node.name} wiped: a deletion only it had asked for is gone with it")
+            self.cluster.trace(f"{node.name} wiped: a deletion only it still held is gone with it")
         shutil.rmtree(node.dir)
         return True
 
@@ -408,13 +460,7 @@ class Simulation:
             return False
         node = self.rng.choice(down)
         path = self.rng.choice(sorted(node.dir.glob("*.sqlite")))
-        database = path.name[: -len(".sqlite")]
-        lost = self.ledger.lose_unreplicated(self.cluster, node, database)
-        if database == SYSTEM and self.ledger.lose_markers(self.cluster, node):
-            self.cluster.trace(f"{node.name} lost a deletion only it had asked for")
-        for suffix in ("", "-wal", "-shm"):
-            Path(f"{path}{suffix}").unlink(missing_ok=True)
-        self.cluster.trace(f"{node.name} lost {database} ({lost} writes only it held)")
+        self.lose(node.name, path.name[: -len(".sqlite")])
         return True
 
     def _cut(self) -> bool:
@@ -497,6 +543,51 @@ class Simulation:
         self.cluster.trace(f"{node.name} deleted {name}: {floors}")
         return True
 
+    def _distrust(self) -> bool:
+        """A node's CA bundle loses (or has not gained yet) a peer's CA: that peer's registry rows do not verify
+        there."""
+        node = self.rng.choice(list(self.cluster))
+        others = sorted(set(self.cluster.nodes) - {node.name} - node.trust.distrusted)
+        if not others:
+            return False
+        origin = self.rng.choice(others)
+        node.trust.distrusted.add(origin)
+        self.cluster.trace(f"{node.name} distrusts {origin}'s CA")
+        return True
+
+    def _trust(self) -> bool:
+        nodes = [node for node in self.cluster if node.trust.distrusted]
+        if not nodes:
+            return False
+        node = self.rng.choice(nodes)
+        origin = self.rng.choice(sorted(node.trust.distrusted))
+        node.trust.distrusted.discard(origin)
+        self.cluster.trace(f"{node.name} trusts {origin}'s CA again")
+        return True
+
+    def _reregister(self) -> bool:
+        up = self.cluster.up()
+        if not up:
+            return False
+        node = self.rng.choice(up)
+        if self.rng.random() < 0.5:
+            self._register(node)
+            self.cluster.trace(f"{node.name} signed its registry row again")
+        else:
+            other = self.rng.choice(sorted(self.cluster.nodes))
+            self._register(node, introduce=other)
+            self.cluster.trace(f"{node.name} introduced {other}")
+        return True
+
+    def _silence(self) -> bool:
+        sessions = [session for session in self.cluster.sessions() if not session.silent]
+        if not sessions:
+            return False
+        session = self.rng.choice(sessions)
+        session.silent = True
+        self.cluster.trace(f"session {session.subscriber.name}<-{session.sender.name}/{session.database} silent")
+        return True
+
     def _backup(self) -> bool:
         down = [node for node in self.cluster if not node.up and node.dir.exists() and node.name not in self.backups]
         if not down:
@@ -523,6 +614,7 @@ class Simulation:
         shutil.rmtree(node.dir, ignore_errors=True)
         shutil.move(copy, node.dir)
         self.ledger.lose_markers(self.cluster, node, restored=True)
+        self.ledger.restored(self.cluster, node)
         self.cluster.trace(f"{node.name} restored from its backup of step {taken}")
         return True
 
@@ -533,8 +625,9 @@ class Simulation:
         cluster.trace("heal: every node up, every link up")
         cluster.cut.clear()
         for node in cluster:
+            node.trust.distrusted.clear()  # every CA bundle holds every CA now
             if not node.up:
-                node.start()
+                self._boot(node)
         settings = cluster.settings
         # Past the retention: what every holder has may be purged now.
         cluster.loop.advance(settings.tombstone_retention + settings.failover_after + 1)
@@ -558,7 +651,7 @@ class Simulation:
                 node.tombstone_purge()
                 node.check_recoveries()
             cluster.loop.advance(settings.failover_after + 1)
-            if attempt >= 2 and not self._differences():
+            if attempt >= 2 and not self._differences() and not self._behind():
                 cluster.trace(f"healed: equal after {attempt + 1} rounds")
                 return
 
@@ -572,6 +665,8 @@ class Simulation:
         node.renew.clear()
         for pair in list(node.pairs.values()):
             cluster.connect(node, pair)
+        if self.nemesis >= 2:
+            node.check_stalls()
 
     def _pump(self) -> None:
         """Every session sends and delivers until it is caught up (or PUMP_LIMIT batches)."""
@@ -586,6 +681,9 @@ class Simulation:
                 elif not sent:
                     break
             node = session.subscriber
+            pair = node.pairs.get((session.sender.name, session.database))
+            if pair is not None and pair.session is session:
+                session.report_holds()
             for key in sorted(node.renew):
                 pair = node.pairs.get(key)
                 if pair is not None:
@@ -604,6 +702,23 @@ class Simulation:
                 digests[node.name] = node.store.database(name).digest() if name in node.files() else None
             if len({repr(digest) for digest in digests.values()}) > 1:
                 found.append(f"{name} differs: " + ", ".join(f"{n}={_short(d)}" for n, d in sorted(digests.items())))
+        return found
+
+    def _behind(self) -> list[str]:
+        """The sessions whose sender could mark the subscriber beyond what it holds complete: after healing and
+        pumping, a pair still behind is a stream that stopped (invariant 21)."""
+        found = []
+        for session in self.cluster.sessions():
+            try:
+                heads = session.plan.heads(session.source)
+            except (UnknownDatabase, DatabaseRemoving):
+                continue
+            behind = ahead_of(heads, session.target.progress())
+            if behind:
+                found.append(
+                    f"{session.subscriber.name}<-{session.sender.name}/{session.database} is connected and behind on"
+                    f" {behind} (the sender holds {[heads[origin] for origin in sorted(behind)]})"
+                )
         return found
 
     def _check_digests(self) -> None:

@@ -165,3 +165,23 @@ def test_records_written_after_the_deletion_keep_the_database(
     assert supervisor.of(messages.DropDatabase) == []
     assert "typo" in node_.holds
     assert [e.id for e in store.database("typo").scan("t", None, 10)] == ["later", "newer"]
+
+
+def test_a_database_written_since_and_emptied_again_stays(
+    node: tuple[Node, FakeSupervisor], loop: VirtualTimeLoop
+) -> None:
+    """Written after the deletion, then deleted and purged again: the file holds no record but its positions pass
+    the floors. The database exists again (as on the peers that hold what was written since), so it stays."""
+    node_, supervisor = node
+    store = node_.store
+    assert store is not None
+    _hold(node_, "typo", [10, 20])
+    _, floors = node_.drops.request("typo")
+    db = store.database("typo")
+    db.apply_batch([rec("later", 25, "b", tomb=True)], {"b": 25})
+    assert db.drop_through(DeletionFloors(origins=floors)) == 2
+    assert db.purge_tombstones({"b": 25}, 25) == 1 and db.is_empty()
+    task = loop.create_task(node_.drops.apply())
+    loop.advance(0.0)
+    assert task.result() == []
+    assert supervisor.of(messages.DropDatabase) == [] and store.path("typo").exists()

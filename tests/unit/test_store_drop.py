@@ -261,7 +261,8 @@ def test_a_subscription_to_a_stale_peer_creates_nothing_until_a_newer_record(sto
     dropped.write(store.database(SYSTEM, create=True), "typo", requested_by="a", at=1.0, floors={"b": floor, "c": 9})
     floors = store.dropped_floor("typo")
     stand_in = DroppedDatabase(ctx, "typo", floors)  # type: ignore[arg-type]
-    assert stand_in.progress() == {} and stand_in.own_history().asks == 0
+    # It resumes at the floors: what they cover is deleted here, and a peer holding no more is not ahead of it.
+    assert stand_in.progress() == {"b": floor, "c": 9} and stand_in.own_history().asks == 0
     assert stand_in.apply_batch([rec("old", floor - 5, "b"), rec("older", 7, "c")], {"b": floor}) == 0
     assert not store.path("typo").exists() and ctx.opened == []
     assert stand_in.apply_batch([rec("old", floor - 1, "b"), rec("new", floor + 1, "b")], {"b": floor + 1}) == 1
@@ -270,3 +271,25 @@ def test_a_subscription_to_a_stale_peer_creates_nothing_until_a_newer_record(sto
     assert db.dropped_floor == floors
     assert [row[1] for row in _rows(db)] == ["new"]
     assert stand_in.progress() == {"b": floor + 1}
+
+
+def test_a_mark_past_the_floors_creates_the_database_again(store: Store, clock: FakeClock) -> None:
+    """A peer complete beyond what the deletion saw holds the database as written since (everything written since
+    deleted and purged again, maybe): it exists again here too, empty, and stays."""
+
+    class Ctx:
+        def __init__(self, store: Store) -> None:
+            self.store = store
+
+        def database(self, name: str, create: bool = False) -> Database:
+            return self.store.database(name, create=create)
+
+    clock.advance(1)
+    dropped.write(store.database(SYSTEM, create=True), "again", requested_by="a", at=1.0, floors={"b": 1000})
+    floors = store.dropped_floor("again")
+    stand_in = DroppedDatabase(Ctx(store), "again", floors)  # type: ignore[arg-type]
+    assert stand_in.apply_batch([], {"b": 1000}) == 0 and not stand_in.created
+    assert stand_in.apply_batch([], {"b": 1200}) == 0 and stand_in.created
+    db = store.database("again")
+    assert db.is_empty() and db.progress() == {"b": 1200}
+    assert dropped.written_since(db.origins(), floors)
