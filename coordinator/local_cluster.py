@@ -482,6 +482,41 @@ class LocalCluster:
 
         await poll_until(check, timeout, lambda missing: f"not connected after {timeout} s: {missing}")
 
+    async def wait_settled(self, names: Iterable[str] | None = None, timeout: float = 60.0) -> None:
+        """Wait until every pair each node wants is connected in its settled form: no database recovering (a
+        recovering database's subscriptions take every origin, and are renewed with their routes once it ends), no
+        setup pending, and each pair served with the origins its subscription asks for (the sender's `exclude` for
+        it is the subscriber's). Sessions taken after this stay as long as nothing changes."""
+        names = list(names or self.nodes)
+        await self.wait_connected(names, timeout=timeout)
+
+        async def check() -> tuple[bool, list[str]]:
+            bodies = {}
+            for name in self.nodes:
+                status, body = await self.admin(name, "/status")
+                if status != 200:
+                    return False, [f"{name} /status {status}"]
+                bodies[name] = body
+            unsettled = []
+            for name in names:
+                body = bodies[name]
+                recovering = [db for db, recovery in body["recovery"].items() if recovery["state"] != "recovered"]
+                unsettled += [f"{name}/{db} recovering" for db in recovering]
+                if body["setup_pending"]:
+                    unsettled.append(f"{name}: {body['setup_pending']} setups pending")
+                for connection in body["connections"]:
+                    peer = connection["peer"]
+                    serving = {s["database"]: s for s in bodies.get(peer, {}).get("sending", []) if s["peer"] == name}
+                    for pair in connection["databases"]:
+                        sent = serving.get(pair["database"])
+                        if not pair["connected"] or sent is None or not sent["connected"]:
+                            unsettled.append(f"{name}->{peer}/{pair['database']} not connected")
+                        elif sorted(sent["exclude"]) != sorted(pair["exclude"]):
+                            unsettled.append(f"{name}->{peer}/{pair['database']} served {sent['exclude']}")
+            return not unsettled, unsettled
+
+        await poll_until(check, timeout, lambda unsettled: f"not settled after {timeout} s: {unsettled}")
+
 
 async def poll_until(
     check: Callable[[], Awaitable[tuple[bool, T]]],

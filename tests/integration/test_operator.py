@@ -318,6 +318,7 @@ async def test_sighup_reloads_the_peer_list(make_cluster) -> None:  # type: igno
             cluster[name].signal(signal.SIGHUP)
         await cluster.wait_converged("later", timeout=30, expect_count=1)
         await cluster.wait_connected(databases=["later"])
+        await cluster.wait_settled()
         healthy = {(c["peer"], d["database"]): d["session"] for c in (await _status(cluster, "a"))["connections"]
                    for d in c["databases"]}  # fmt: skip
 
@@ -325,7 +326,7 @@ async def test_sighup_reloads_the_peer_list(make_cluster) -> None:  # type: igno
         reloads = len(cluster["a"].events("config_reloaded"))
         cluster["a"].signal(signal.SIGHUP)
         await wait_for(lambda: len(cluster["a"].events("config_reloaded")) > reloads, 60, "the reload")
-        await cluster.wait_connected(timeout=60)
+        await cluster.wait_settled(timeout=60)
         again = {(c["peer"], d["database"]): d["session"] for c in (await _status(cluster, "a"))["connections"]
                  for d in c["databases"]}  # fmt: skip
         assert again == healthy
