@@ -482,6 +482,36 @@ class LocalCluster:
 
         await poll_until(check, timeout, lambda missing: f"not connected after {timeout} s: {missing}")
 
+    async def wait_registered(
+        self,
+        database: str,
+        holders: Iterable[str] | None = None,
+        names: Iterable[str] | None = None,
+        timeout: float = 60.0,
+    ) -> None:
+        """Wait until the registry on each of `names` says every one of `holders` (default: every node) holds
+        `database`: a node's row names what it holds, and spreads like any write, so a node that stops right after
+        taking a database may be the only one that knows it does."""
+        holders = sorted(holders or self.nodes)
+        names = list(names or self.nodes)
+
+        async def check() -> tuple[bool, list[str]]:
+            missing = []
+            for name in names:
+                status, body = await self.admin(name, "/nodes")
+                if status != 200:
+                    missing.append(f"{name} /nodes {status}")
+                    continue
+                rows = {row["name"]: row for row in body}
+                missing += [
+                    f"{name} knows no {database} on {h}"
+                    for h in holders
+                    if database not in rows.get(h, {}).get("holds", ())
+                ]
+            return not missing, missing
+
+        await poll_until(check, timeout, lambda missing: f"not registered after {timeout} s: {missing}")
+
     async def wait_settled(self, names: Iterable[str] | None = None, timeout: float = 60.0) -> None:
         """Wait until every pair each node wants is connected in its settled form: no database recovering (a
         recovering database's subscriptions take every origin, and are renewed with their routes once it ends), no

@@ -48,6 +48,8 @@ async def test_a_lost_node_waits_for_the_peer_holding_its_newest_writes_and_keep
         await ledger.put("a", "gone", "soon deleted")
         await ledger.put("b", "b-1", "b's")
         await cluster.wait_converged(DATABASE, timeout=60, expect_count=3)
+        # Every registry knows who holds it: b's registry is all a has to go by once a's data directory is gone.
+        await cluster.wait_registered(DATABASE)
 
         assert cluster["b"].stop() == 0
         # Only c gets these: a's newest write of r, and a's delete.
@@ -64,7 +66,7 @@ async def test_a_lost_node_waits_for_the_peer_holding_its_newest_writes_and_keep
         await wait_for(lambda: _has(cluster, "a", "b-1"), 60, "a's recovery from b (b's own record back on a)")
         # a takes writes while it recovers; c, which holds a's newest writes, is waited for.
         await ledger.put("a", "during", "the recovery")
-        state = await wait_for(lambda: _waiting(cluster, "a", DATABASE, "c"), 60, "a's recovery waiting for c")
+        state = await wait_for(lambda: _waiting(cluster, "a", DATABASE, "c", only=True), 60, "a's recovery: c alone")
         assert state["state"] == "recovering" and state["waiting_for"] == ["c"], state
 
         cluster["c"].start()
@@ -98,6 +100,7 @@ async def test_on_a_line_two_lost_neighbours_keep_the_write_that_survives_beyond
         await ledger.put("a", "r", "kept by c")
         await ledger.put("c", "c-1", "c's")
         await cluster.wait_converged(DATABASE, timeout=60, expect_count=2)
+        await cluster.wait_registered(DATABASE)
 
         for name in ("c", "a", "b"):
             assert cluster[name].stop() == 0
@@ -144,9 +147,11 @@ async def _has(cluster, name: str, record_id: str) -> bool:  # type: ignore[no-u
     return status == 200
 
 
-async def _waiting(cluster, name: str, database: str, peer: str) -> dict | None:  # type: ignore[no-untyped-def]
+async def _waiting(cluster, name: str, database: str, peer: str, only: bool = False) -> dict | None:  # type: ignore[no-untyped-def]
+    """The recovery's state once it waits for `peer` (`only`: for `peer` alone, every other pair having served)."""
     state = await _recovery(cluster, name, database)
-    return state if peer in state.get("waiting_for", []) else None
+    waiting = state.get("waiting_for", [])
+    return state if (waiting == [peer] if only else peer in waiting) else None
 
 
 async def _connected(cluster, name: str, peer: str, database: str) -> bool:  # type: ignore[no-untyped-def]
@@ -172,6 +177,7 @@ async def test_a_damaged_row_waits_for_the_peer_with_the_newer_write_not_the_lag
         await cluster.wait_ready()
         await ledger.put("a", "r", "old")
         await cluster.wait_converged(DATABASE, timeout=60, expect_count=1)
+        await cluster.wait_registered(DATABASE)
         assert cluster["b"].stop() == 0
         await ledger.put("a", "r", "new")  # b misses it
         await cluster.wait_converged(DATABASE, ["a", "c"], timeout=60, expect_count=1)
