@@ -174,9 +174,7 @@ class Drops:
         if purging:
             # Off the loop: a large database is walked in chunks, each a transaction of its own.
             records = await self._to_thread(db.drop_through, floors)
-        # A file left empty goes, unless it was written after the deletion (its positions pass the floors): then the
-        # database exists again, empty or not, as on the nodes that hold what was written since.
-        removed = db.is_empty() and not dropped.written_since(db.origins(), floors) and await self._remove(name)
+        removed = dropped.left_empty(db, floors) and await self._remove(name)
         if not (purging or removed):
             return None
         shown = dict(sorted(floors.origins.items()))

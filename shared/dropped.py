@@ -51,6 +51,13 @@ def written_since(held: dict[str, Origin], floors: DeletionFloors) -> bool:
     return any(floor > floors.floor_of(origin) for origin, floor in seen(held).items())
 
 
+def left_empty(db: Database, floors: DeletionFloors) -> bool:
+    """May the deletion remove this file now? Only when it is empty and was not written after the deletion (its
+    positions do not pass the floors): a database written since exists again, empty or not, as on the nodes that
+    hold what was written since."""
+    return db.is_empty() and not written_since(db.origins(), floors)
+
+
 def marker_id(name: str, requested_by: str) -> str:
     return f"{name}@{requested_by}"
 

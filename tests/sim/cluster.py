@@ -358,7 +358,7 @@ class SimNode:
                     self.cluster.trace(f"{self.name}/{name} regressed to {own} (deletion floor)")
                     self.regressed(name, own)
                 db.drop_through(floors)
-            if db.is_empty():
+            if dropped.left_empty(db, floors):
                 for pair in [pair for pair in self.pairs.values() if pair.database == name]:
                     self.cluster.disconnect(pair)
                 for other in self.cluster.nodes.values():

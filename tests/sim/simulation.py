@@ -416,9 +416,10 @@ class Simulation:
         return True
 
     def _only_healthy_copy(self, node: SimNode) -> bool:
-        """Does `node` hold the only healthy copy of a row the nemesis damaged elsewhere? Then losing its files
-        would leave a damage no repair can undo (the data API answers 503 for that record until it is written
-        again), which the nemesis does not combine."""
+        """Does `node` hold the only healthy copy of a row the nemesis damaged elsewhere, or the only copy of a newer
+        version that superseded it (were that one lost, the damaged version would be the record's newest again)?
+        Then losing its files would leave a damage no repair can undo (the data API answers 503 for that record
+        until it is written again), which the nemesis does not combine."""
         for holder, database, table, record_id, version, origin in sorted(self.damaged):
             held = self.cluster.nodes[holder].rows(database).get((table, record_id))
             if held is None or held[:2] != (version, origin):
@@ -428,7 +429,7 @@ class Simulation:
                 other
                 for other in self.cluster
                 if other.name not in (holder,)
-                and other.rows(database).get((table, record_id), (0, "", False))[:2] == (version, origin)
+                and other.rows(database).get((table, record_id), (0, "", False))[:2] >= (version, origin)
                 and (other.name, database, table, record_id, version, origin) not in self.damaged
             ]
             if healthy == [node]:
