@@ -384,7 +384,8 @@ def test_reload_checks_the_file_before_the_sighup(tmp_path: Path, node_file: Pat
         pytest.skip("no /bin/kill, which the units' reload step runs (Debian package procps)")
     bad = tmp_path / "a.toml"
     bad.write_text(node_file.read_text().replace("[node]\n", "[node]\nflavour = 1\n", 1))
-    main = subprocess.Popen(["sleep", "60"])
+    # SIGHUP's default action, whatever this test inherited (under nohup it is ignored, and would be in `sleep`).
+    main = subprocess.Popen(["sleep", "60"], preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     try:
         failed = reload(name, bad, main.pid, {})
         assert failed is not None and failed.returncode == 2, failed
