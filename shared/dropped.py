@@ -47,8 +47,12 @@ def seen(held: dict[str, Origin]) -> dict[str, int]:
 
 def written_since(held: dict[str, Origin], floors: DeletionFloors) -> bool:
     """Does a file holding `held` hold positions beyond the deletion's floors: was the database written after the
-    deletion (whatever was written since deleted and purged again, maybe)? Then it exists again, empty or not."""
-    return any(floor > floors.floor_of(origin) for origin, floor in seen(held).items())
+    deletion (whatever was written since deleted and purged again, maybe)? Then it exists again, empty or not.
+
+    Only complete positions count: they are what marks carry, so a peer whose file went gets the same answer once
+    its subscription brings the marks (`workers.dropped`). The newest version an origin shows (`top`) does not: a
+    node's own top follows its clock, which no other node sees, and would keep the file on that node alone."""
+    return any(state.complete > floors.floor_of(origin) for origin, state in held.items())
 
 
 def left_empty(db: Database, floors: DeletionFloors) -> bool:
