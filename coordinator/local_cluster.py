@@ -453,6 +453,18 @@ class LocalCluster:
         )
         return time.monotonic() - started
 
+    async def _answers(self, names: Iterable[str], path: str) -> tuple[dict[str, Any], list[str]]:
+        """The admin answer at `path` of each of `names` that answers 200, and a line for each that does not."""
+        bodies: dict[str, Any] = {}
+        failed = []
+        for name in names:
+            status, body = await self.admin(name, path)
+            if status == 200:
+                bodies[name] = body
+            else:
+                failed.append(f"{name} {path} {status}")
+        return bodies, failed
+
     async def wait_connected(
         self, names: Iterable[str] | None = None, timeout: float = 60.0, databases: Iterable[str] = ()
     ) -> None:
@@ -461,12 +473,8 @@ class LocalCluster:
         names = list(names or self.nodes)
 
         async def check() -> tuple[bool, list[str]]:
-            missing = []
-            for name in names:
-                status, body = await self.admin(name, "/status")
-                if status != 200:
-                    missing.append(name)
-                    continue
+            bodies, missing = await self._answers(names, "/status")
+            for name, body in bodies.items():
                 peers = {c["peer"]: c for c in body["connections"]}
                 for peer in self.nodes[name].peers:
                     connection = peers.get(peer)
@@ -496,12 +504,8 @@ class LocalCluster:
         names = list(names or self.nodes)
 
         async def check() -> tuple[bool, list[str]]:
-            missing = []
-            for name in names:
-                status, body = await self.admin(name, "/nodes")
-                if status != 200:
-                    missing.append(f"{name} /nodes {status}")
-                    continue
+            bodies, missing = await self._answers(names, "/nodes")
+            for name, body in bodies.items():
                 rows = {row["name"]: row for row in body}
                 missing += [
                     f"{name} knows no {database} on {h}"
@@ -521,13 +525,9 @@ class LocalCluster:
         await self.wait_connected(names, timeout=timeout)
 
         async def check() -> tuple[bool, list[str]]:
-            bodies = {}
-            for name in self.nodes:
-                status, body = await self.admin(name, "/status")
-                if status != 200:
-                    return False, [f"{name} /status {status}"]
-                bodies[name] = body
-            unsettled = []
+            bodies, unsettled = await self._answers(self.nodes, "/status")  # every node: the senders' ends too
+            if unsettled:
+                return False, unsettled
             for name in names:
                 body = bodies[name]
                 recovering = [db for db, recovery in body["recovery"].items() if recovery["state"] != "recovered"]

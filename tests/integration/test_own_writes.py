@@ -16,7 +16,6 @@ Each test ends with equal digests on every node and every acknowledged write and
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import sqlite3
 import time
@@ -91,7 +90,13 @@ async def test_a_lost_node_waits_for_the_peer_holding_its_newest_writes_and_keep
 
 
 async def test_on_a_line_two_lost_neighbours_keep_the_write_that_survives_beyond_them(make_cluster) -> None:  # type: ignore[no-untyped-def]
-    replication = {**FAST, "tombstone_retention": 1.0, "prune_interval": 0.5, "failover_after": 2.0}
+    replication = {
+        **FAST,
+        "tombstone_retention": 1.0,
+        "audit_retention": 1.0,
+        "prune_interval": 0.5,
+        "failover_after": 2.0,
+    }
     cluster = make_cluster(["a", "b", "c"], workers=1, topology="line", replication=replication)
     ledger = Ledger(cluster, DATABASE)
     cluster.start()
@@ -130,8 +135,17 @@ async def test_on_a_line_two_lost_neighbours_keep_the_write_that_survives_beyond
         await wait_for(lambda: recovered("b"), 90, "b's recovery once c served it")
         await wait_for(lambda: recovered("a"), 90, "a's recovery once b was whole")
         await cluster.wait_converged(DATABASE, timeout=60, expect_count=3)
-        # Purges run (a second of tombstone_retention) and every pair's rounds: the write is not taken for deleted.
-        await asyncio.sleep(3)
+        # A retention pass on every node past the writes, then every pair's rounds: the write is not taken for
+        # deleted. A pass is seen by what it prunes: a record in another database, whose audit entries are a second
+        # old when a pass prunes them and then purges with the same second of tombstone_retention.
+        pruned = {name: len(cluster[name].events("audit_pruned")) for name in cluster.nodes}
+        assert (await cluster.data("c", "PUT", "/data/tick/t/x", {"v": 1}))[0] == 200
+        for name in cluster.nodes:
+            await wait_for(
+                lambda name=name: len(cluster[name].events("audit_pruned")) > pruned[name],
+                60,
+                f"{name}'s retention pass",
+            )
         for name in cluster.nodes:
             status, body = await cluster.admin_request(name, "POST", f"/antientropy/{DATABASE}")
             assert status == 200, body
