@@ -815,8 +815,8 @@ class Node:
                 pair = self.map.pair(key, database)
                 if pair is not None:
                     pair.accepted_by = slot
-            case messages.Connected(key=key, database=database, worker=worker, session=session):
-                self._on_connected(slot, key, database, worker, session, message.peer_head_seq, now)
+            case messages.Connected():
+                self._on_connected(slot, message, now)
             case messages.Disconnected():
                 self._on_disconnected(message, now)
             case messages.Progress():
@@ -846,9 +846,8 @@ class Node:
                 # Records whose deletions this node will never be sent may be here: the pair's round, now.
                 self.antientropy.run_soon(key, database, reason=f"behind the peer's purge of {', '.join(origins)}")
 
-    def _on_connected(
-        self, slot: int, key: str, database: str, worker: int, session: int, head: int, now: float
-    ) -> None:
+    def _on_connected(self, slot: int, message: messages.Connected, now: float) -> None:
+        key, database = message.key, message.database
         entry = self.map.get(key)
         pair = entry.pairs.get(database) if entry is not None else None
         if entry is None or pair is None:
@@ -856,15 +855,16 @@ class Node:
             self.supervisor.send(slot, messages.Unsubscribe(key=key, database=database))
             return
         pair.connected = True
-        pair.worker = worker
-        pair.session = session
+        pair.worker = message.worker
+        pair.session = message.session
         pair.connected_at = now
+        pair.recovery = message.recovery
         pair.dispatched_to = None
         if pair.setup_started is not None:
             self.metrics.setup_connected(entry.peer, now - pair.setup_started)
             pair.setup_started = None
         pair.last_progress_at = now
-        pair.peer_head_seq = head
+        pair.peer_head_seq = message.peer_head_seq
         pair.reconnect_attempts = 0
         pair.last_error = ""
         pair.caught_up = False

@@ -43,6 +43,7 @@ class PairState:
     # When a subscribe went to a worker while the pair was not connected: its connect is timed from there.
     setup_started: float | None = None
     connected_at: float | None = None
+    recovery: int = 0  # the regression floor the connected session's subscription carried (`Connected.recovery`)
     disconnected_at: float | None = None
     last_progress_at: float | None = None
     last_received_seq: int = 0

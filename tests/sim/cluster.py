@@ -598,6 +598,10 @@ class Cluster:
         progress = target.progress()
         exclude = node.exclude(pair.database, peer.name)
         own_upto = target.own_history().asks
+        # The floor the subscription was made for (`Subscribe.recovery`): a regression found below raises the
+        # node's, and this session, asking for less, no longer serves the recovery; it is renewed.
+        recovery = node.recoveries.floor(pair.database)
+        node.renew.discard((peer.name, pair.database))
         settings = self.settings
         # The sender: the subscriber's claim on the sender's own origin, as `Sender._check_regression` checks it.
         claimed = progress.get(peer.name, 0)
@@ -620,8 +624,8 @@ class Cluster:
         pair.connected = True
         pair.caught_up = False
         pair.connected_at = self.loop.time()
+        pair.recovery = recovery
         pair.note_ahead({}, self.loop.time())  # a new session's first report: nothing seen ahead yet
-        node.renew.discard((peer.name, pair.database))
         node.router.report(pair.database, peer.name, up=True)
         if behind and isinstance(target, Database) and not target.is_empty():
             self.trace(f"{node.name}/{pair.database} behind {peer.name}'s purge of {behind}: round now")

@@ -346,6 +346,39 @@ def two_neighbours_lost_on_a_line() -> Outcome:
     return _run(script, shape="line")
 
 
+def own_writes_newer_than_a_backup() -> Outcome:
+    """A node's file restored from a backup older than some of its own writes: its first session finds it gone back
+    in time in the handshake (the peer's Schema holds more of them; the peer's own subscription, which would have
+    shown it first, cannot connect). That session asked for none of them and does not serve the recovery; the
+    renewed one brings them back before the recovery ends, with no anti-entropy round."""
+
+    def script(sim: Simulation) -> None:
+        loop = sim.cluster.loop
+        for i in range(5):
+            sim.put("b", "d0", f"old{i}", i)
+        sim.settle()
+        sim.stop("b")
+        sim._backup()
+        loop.advance(1.0)
+        sim.start("b")
+        newer = [sim.put("b", "d0", f"new{i}", i) for i in range(5)]
+        sim.settle()
+        sim.stop("b")
+        sim._restore()
+        loop.advance(1.0)
+        sim.cut("a", "b")
+        sim.start("b")
+        sim.settle()
+        b = sim.cluster.nodes["b"]
+        _expect(sim, "d0" not in b.recoveries, "b's d0 still recovering once a served it")
+        for i, version in enumerate(newer):
+            held = _value(sim, "b", f"new{i}")
+            _expect(sim, held is not None and held[0] == version, f"b's recovery ended without new{i}: {held}")
+        sim.heal_link("a", "b")
+
+    return _run(script, nodes=2)
+
+
 ALL: dict[str, Callable[[], Outcome]] = {
     "lost-own": lost_own_newest_write,
     "damaged-lagging": damaged_row_repaired_from_a_lagging_peer,
@@ -358,4 +391,5 @@ ALL: dict[str, Callable[[], Outcome]] = {
     "silent-pair": a_silent_pair_is_renewed,
     "refused-registry-row": a_refused_registry_row_holds_the_position,
     "line-two-lost": two_neighbours_lost_on_a_line,
+    "backup-own-writes": own_writes_newer_than_a_backup,
 }
