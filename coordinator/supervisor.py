@@ -6,7 +6,10 @@ Either way a worker is a child of the coordinator, and its exit code reads as mu
 minus the signal that killed it).
 
 A worker that exits is respawned on the one backoff schedule (0.5 -> 30 s, full jitter), reset once a worker stayed
-up for RESPAWN_HEALTHY_UPTIME; a crash loop therefore slows down instead of spinning. A worker that exits with
+up for RESPAWN_HEALTHY_UPTIME; a crash loop therefore slows down instead of spinning. The schedule protects the
+node from one slot's crash loop, never at the cost of serving nothing: a respawn that would leave the node with no
+live worker until it comes waits at most RESPAWN_FLOOR (a node whose every worker crash-loops forks about two a
+second, the one that is due; the others keep their schedules). A worker that exits with
 EXIT_BOOT_ERROR cannot start at all (port, certificates, data directory): respawning it would fail the same way,
 so the supervisor stops and reports why.
 """
@@ -32,6 +35,7 @@ from replicator.shared.notify import Doorbell
 from replicator.workers.main import EXIT_BOOT_ERROR, worker_entry
 
 RESPAWN_HEALTHY_UPTIME = 10.0
+RESPAWN_FLOOR = 0.5  # the schedule's first step: the respawn delay while no other worker is alive
 # The coordinator's own loop ticks this often; a tick later than PAUSE_SLACK past its time is not load: the loop
 # did not run (the process was stopped, its container frozen, its host suspended, or the loop blocked).
 PAUSE_TICK = 1.0
@@ -406,7 +410,10 @@ class Supervisor:
             handle.backoff.reset()
         delay = handle.backoff.next_delay()
         assert delay is not None  # the respawn schedule never exhausts
-        log.info("worker_respawn_scheduled", worker=handle.slot, delay_s=round(delay, 4))
+        alone = not any(w.alive for w in self.workers.values() if w is not handle and not w.retiring)
+        if alone:
+            delay = min(delay, RESPAWN_FLOOR)  # no other worker serves meanwhile
+        log.info("worker_respawn_scheduled", worker=handle.slot, delay_s=round(delay, 4), none_alive=alone)
         handle.restarts += 1
         self.respawns += 1
         handle.respawn_timer = self._loop.call_later(delay, self.spawn, handle.slot)

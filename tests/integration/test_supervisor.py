@@ -26,7 +26,7 @@ from replicator.shared import config as config_module
 from replicator.shared import messages
 from replicator.shared.tls import create_ca, issue_node_cert
 from replicator.workers.main import EXIT_BOOT_ERROR
-from tests.integration.conftest import wait_for
+from tests.integration.conftest import wait_for, write_many
 
 
 def _config(tmp_path: Path, key: str) -> bytes:
@@ -371,3 +371,23 @@ async def test_a_node_reads_forked_workers_exits_and_spawns_once_its_template_is
 async def _respawned(cluster: LocalCluster, old: int) -> int | None:
     pid = (await _workers(cluster, "a")).get(0)
     return pid if pid is not None and pid != old else None
+
+
+async def test_a_node_whose_workers_are_killed_over_and_over_respawns_one_at_the_floor(make_cluster) -> None:  # type: ignore[no-untyped-def]
+    """Every worker SIGKILLed every 2 s, twelve times: each slot's schedule grows, but a respawn that would leave
+    the node with no live worker comes within the floor, and the node serves again at once after."""
+    async with _node(make_cluster) as (cluster, a, coordinator):
+        for _ in range(12):
+            for pid, process in _tree(coordinator).items():
+                if pid != coordinator and process.name() != "replicator-tmpl":
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+            await asyncio.sleep(2.0)
+        await cluster.wait_ready(timeout=60)
+        await write_many(cluster, "a", "after", "t", ["r"], {"v": 1})
+        scheduled = a.events("worker_respawn_scheduled")
+        assert len(scheduled) >= 12, scheduled
+        alone = [event for event in scheduled if event["none_alive"]]
+        assert alone, scheduled
+        assert all(event["delay_s"] <= 0.5 for event in alone), alone
+        assert a.stop() == 0
