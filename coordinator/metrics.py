@@ -8,8 +8,9 @@ counters never go backwards, and series are bounded by the label values (peers, 
 exist. Histograms observed in a worker travel the same way, as counts per fixed bucket (`shared.histograms`).
 Both are kept here as plain numbers by label values and rendered at scrape time (`_FedCounters`, `_FedHistograms`),
 not as prometheus-client children: a child costs about 600 bytes, and a node holds several per (peer, database)
-pair. The series a wanted pair or a held database shows at 0 before its first event are made at each scrape from
-the node's state and kept by nothing, so an idle database costs the coordinator no metrics memory at all.
+pair. The series a wanted peer, a wanted pair or a held database shows at 0 before its first event (`ZERO_SERIES`,
+which holds every labelled counter an alert takes the increase() of) are made at each scrape from the node's state
+and kept by nothing, so an idle database costs the coordinator no metrics memory at all.
 Gauges describing the current state (connected, lag, pending, rss) are computed at scrape time from the
 coordinator's own state, so a pair that is gone has no series left; so are the worker processes' CPU, open files
 and memory (psutil, by the pids the supervisor knows) and the certificates' expiry (read from their files). The
@@ -18,6 +19,7 @@ coordinator's own process is the standard `process_*` and `python_info` series.
 
 from __future__ import annotations
 
+import enum
 import importlib.metadata
 import itertools
 import math
@@ -71,11 +73,6 @@ SAMPLED_EVENTS = (
 )
 # The caps a refused connection names (workers.listener); their counters start at 0 so a rate exists.
 CONNECTION_LIMITS = ("max_connections", "max_connections_per_client", "max_handshakes")
-ANTIENTROPY_COUNTERS = (
-    "replicator_antientropy_rounds_total",
-    "replicator_antientropy_failures_total",
-    "replicator_antientropy_records_repaired_total",
-)
 
 # Counters fed by the workers' increments: name -> (help, label names).
 FED_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -149,18 +146,67 @@ ROUND_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
         ("peer", "database"),
     ),
 }
-# The series each wanted peer, each wanted (peer, database) pair and each held database shows from the start, at 0,
-# so that rate() works before the first event.
-PEER_COUNTERS = (
-    "replicator_reconnect_attempts_total",
-    "replicator_redials_deferred_total",
-    "replicator_bytes_sent_total",
-    "replicator_bytes_received_total",
-)
-PAIR_COUNTERS = ("replicator_records_applied_total", "replicator_records_sent_total")  # labels (database, peer)
-DATABASE_COUNTERS = ("replicator_checksum_failures_total", "replicator_blobs_missing_total")
+
+
+class Known(enum.Enum):
+    """Label values a counter's zero series take from the node's state at each scrape; the value names the labels."""
+
+    PEERS = ("peer",)  # each wanted peer: the replication map, built from the registry and the config's [[peers]]
+    DATABASES = ("database",)  # each database the node holds
+    PAIRS = ("peer", "database")  # each wanted (peer, database) pair
+
+
+# Every counter shown at 0 before its first event, and what for: the node's known peers, databases or pairs, or
+# fixed values. A series that appears with its first event has no earlier sample to rise from, so increase() and
+# rate() see nothing of that event, and an alert on one episode never fires. Every labelled counter an alert in
+# ops/alerts.yml takes the increase() or rate() of must be here (tests/integration/test_ops_files.py checks it); a
+# counter without labels has its one series from the start. The zeros are made at each scrape and kept by nothing:
+# a peer or database the node no longer knows gets none, so they stay bounded by peers x databases.
+ZERO_SERIES: dict[str, Known | tuple[str, ...]] = {
+    # The alerts' counters.
+    "replicator_clock_skew_refusals_total": Known.PEERS,  # ReplicatorClockSkew
+    "replicator_registry_rows_refused_total": Known.PEERS,  # ReplicatorPeerForgery
+    "replicator_foreign_origin_refusals_total": Known.PAIRS,  # ReplicatorPeerForgery
+    "replicator_antientropy_records_repaired_total": Known.PAIRS,  # ReplicatorRepairsRecurring
+    "replicator_checksum_failures_total": Known.DATABASES,  # ReplicatorChecksumFailures
+    # Other counters worth a rate from the start (the dashboard's).
+    "replicator_reconnect_attempts_total": Known.PEERS,
+    "replicator_redials_deferred_total": Known.PEERS,
+    "replicator_bytes_sent_total": Known.PEERS,
+    "replicator_bytes_received_total": Known.PEERS,
+    "replicator_records_applied_total": Known.PAIRS,
+    "replicator_records_sent_total": Known.PAIRS,
+    "replicator_antientropy_rounds_total": Known.PAIRS,
+    "replicator_antientropy_failures_total": Known.PAIRS,
+    "replicator_blobs_missing_total": Known.DATABASES,
+    "replicator_log_events_suppressed_total": SAMPLED_EVENTS,
+    "replicator_connections_refused_total": CONNECTION_LIMITS,
+}
 
 Series = dict[str, set[tuple[str, ...]]]  # metric name -> label values of the series shown at 0 when not counted yet
+
+
+def _zero_layouts() -> dict[str, tuple[int, ...]]:
+    """For each counter of ZERO_SERIES shown for the node's state, where each of its labels sits in the `Known`
+    values (a pair counter may put `database` first); a counter whose labels do not fit its entry is an error here,
+    at import, not a scrape that fails later."""
+    specs = {**FED_COUNTERS, **ROUND_COUNTERS}
+    layouts: dict[str, tuple[int, ...]] = {}
+    for name, source in ZERO_SERIES.items():
+        if name not in specs:
+            raise ValueError(f"ZERO_SERIES names {name}, which is not a counter of coordinator/metrics.py")
+        labelnames = specs[name][1]
+        if not isinstance(source, Known):
+            if len(labelnames) != 1:
+                raise ValueError(f"{name}: fixed zero series need exactly one label, it has {labelnames}")
+            continue
+        if sorted(labelnames) != sorted(source.value):
+            raise ValueError(f"{name}: labels {labelnames} do not fit {source.name} {source.value}")
+        layouts[name] = tuple(source.value.index(label) for label in labelnames)
+    return layouts
+
+
+_ZERO_LAYOUTS = _zero_layouts()
 
 # Histograms fed by the workers: name -> (help, label names); their buckets are shared.histograms.BUCKETS[name].
 FED_HISTOGRAMS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -205,10 +251,6 @@ class Metrics:
             registry=registry,
         )
         self._unknown_reported: set[str] = set()
-        for event in SAMPLED_EVENTS:
-            self._counters.keep("replicator_log_events_suppressed_total", (event,))
-        for limit in CONNECTION_LIMITS:
-            self._counters.keep("replicator_connections_refused_total", (limit,))
         registry.register(_StateCollector(node))
         # The coordinator's own process: process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds...
         ProcessCollector(registry=registry)
@@ -257,19 +299,23 @@ class Metrics:
             self._setup_connected.labels(entry.peer)
 
     def _zero_counters(self) -> Series:
-        """Every wanted pair has its counters from the start, at 0, so rate() works before the first record; and
-        every held database its failure counters."""
-        shown: Series = {name: set() for name in (*PEER_COUNTERS, *PAIR_COUNTERS, *ANTIENTROPY_COUNTERS)}
+        """The series of ZERO_SERIES for what the node knows now: each wanted peer and pair (the replication map)
+        and each held database, so increase() and rate() see the first event of each."""
+        known: dict[Known, set[tuple[str, ...]]] = {known: set() for known in Known}
         for entry in self._node.map:
-            for name in PEER_COUNTERS:
-                shown[name].add((entry.peer,))
-            for database in entry.pairs:
-                for name in PAIR_COUNTERS:
-                    shown[name].add((database, entry.peer))
-                for name in ANTIENTROPY_COUNTERS:
-                    shown[name].add((entry.peer, database))
-        held = {(database,) for database in self._node.holds}
-        shown.update((name, held) for name in DATABASE_COUNTERS)
+            known[Known.PEERS].add((entry.peer,))
+            known[Known.PAIRS].update((entry.peer, database) for database in entry.pairs)
+        known[Known.DATABASES] = {(database,) for database in self._node.holds}
+        shown: Series = {}
+        for name, source in ZERO_SERIES.items():
+            if isinstance(source, Known):
+                layout = _ZERO_LAYOUTS[name]
+                if layout == tuple(range(len(layout))):  # the labels in the order Known has them: read as they are
+                    shown[name] = known[source]
+                else:
+                    shown[name] = {tuple(values[index] for index in layout) for values in known[source]}
+            else:
+                shown[name] = {(value,) for value in source}
         return shown
 
     def _zero_histograms(self) -> Series:
@@ -304,10 +350,6 @@ class _FedCounters(Collector):
         series = self._series(name, labels)
         with self._lock:
             series[labels] = series.get(labels, 0.0) + value
-
-    def keep(self, name: str, labels: tuple[str, ...]) -> None:
-        """Show this series from now on, at 0 until it is counted."""
-        self._series(name, labels).setdefault(labels, 0.0)
 
     def _series(self, name: str, labels: tuple[str, ...]) -> dict[tuple[str, ...], float]:
         if not self.fits(name, labels):

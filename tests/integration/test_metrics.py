@@ -1,5 +1,6 @@
 """/metrics of real nodes: what replication moves (bytes, batch commits), lag only for pairs that measured it, the
-worker processes, the certificates, the build; and the exposition's content negotiation and compression."""
+worker processes, the certificates, the build; the exposition's content negotiation and compression; and the zeros
+the alerts' counters show from the start."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import psutil
 from cryptography import x509
 from prometheus_client.parser import text_string_to_metric_families
 
-from replicator.coordinator.local_cluster import LocalCluster, free_ports
+from replicator.coordinator.local_cluster import LocalCluster, free_ports, poll_until
 from tests.integration.conftest import wait_for, write_many
+from tests.integration.test_ops_files import EXPORTED, RATED, alert_rules
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -164,5 +166,72 @@ async def test_the_exposition_negotiates_format_and_compression(make_cluster: An
         async with cluster.http.get(url, params=name) as response:
             families = [f.name for f in text_string_to_metric_families(await response.text())]
             assert families == ["replicator_workers_ready"]
+    finally:
+        await cluster.close()
+
+
+def alerted_counters() -> dict[str, frozenset[str]]:
+    """The labelled counters the alerts of ops/alerts.yml take the increase() or rate() of, with their labels."""
+    rated = {name for rule in alert_rules() for name in RATED.findall(rule["expr"])}
+    return {name: EXPORTED[name] for name in sorted(rated) if EXPORTED[name]}
+
+
+def zeros(samples: Samples, name: str) -> set[tuple[tuple[str, str], ...]]:
+    return {labels for (found, labels), number in samples.items() if found == name and number == 0}
+
+
+async def test_a_fresh_cluster_shows_the_alerts_counters_at_zero_for_every_peer_and_database(
+    make_cluster: Any,
+) -> None:
+    """Before any refusal, repair or damaged record, each labelled counter an alert takes the increase() of has a
+    sample at 0 for every peer the node knows (one that never answered too), every database it holds and every
+    pair: the first event is then a rise from 0 that increase() sees."""
+    counters = alerted_counters()
+    assert {"replicator_clock_skew_refusals_total", "replicator_foreign_origin_refusals_total"} <= set(counters)
+    cluster = make_cluster(["a", "b"], workers=2)
+    (dead_port,) = free_ports(1)
+    cluster["a"].outside_peers = {"ghost": f"wss://127.0.0.1:{dead_port}"}
+    cluster.start()
+    try:
+        await cluster.wait_ready()
+        await cluster.wait_connected()
+        pairs = {"a": {("b", "system"), ("ghost", "system")}, "b": {("a", "system")}}
+        databases = {"system"}
+
+        async def missing() -> list[str]:
+            """What a scrape of each node lacks of the zeros it should show, or shows not at zero."""
+            problems = []
+            for node, wanted in pairs.items():
+                samples = await scrape(cluster, node)
+                peers = {peer for peer, _ in wanted}
+                for name, labels in counters.items():
+                    if labels == {"peer"}:
+                        expected = {(("peer", peer),) for peer in peers}
+                    elif labels == {"database"}:
+                        expected = {(("database", database),) for database in databases}
+                    elif labels == {"peer", "database"}:
+                        expected = {(("database", database), ("peer", peer)) for peer, database in wanted}
+                    else:
+                        raise AssertionError(f"{name}: which zeros do labels {sorted(labels)} take?")
+                    shown = {labels for (found, labels) in samples if found == name}
+                    problems += [f"{node} {name}{dict(labels)} is not 0" for labels in shown - zeros(samples, name)]
+                    problems += [f"{node} {name}{dict(labels)} missing" for labels in sorted(expected - shown)]
+            return problems
+
+        assert await missing() == []
+        # A database the nodes take on later gets its zeros as it comes, still before any event.
+        assert (await cluster.data("a", "PUT", "/data/m/t/x", {"v": 1}))[0] == 200
+        await cluster.wait_converged("m", timeout=30, expect_count=1)
+        await cluster.wait_connected(databases=["m"])
+        pairs["a"].add(("b", "m"))
+        pairs["b"].add(("a", "m"))
+        databases.add("m")
+
+        async def shown() -> tuple[bool, list[str]]:
+            problems = await missing()
+            return not problems, problems
+
+        # b's coordinator hears that its worker opened m in a message of its own, which may trail the data.
+        await poll_until(shown, 30, lambda problems: f"zeros missing for m: {problems}")
     finally:
         await cluster.close()

@@ -3,9 +3,11 @@
 - systemd units: `systemd-analyze verify` and `systemd-analyze security` (Debian package systemd), plus the numbers
   the node's behaviour dictates; the reload step run as systemd would run it; the sysusers file through
   `systemd-sysusers` into a scratch root.
-- Prometheus: `promtool check config` / `check rules` (package prometheus), `promtool test rules` to show that each
-  alert fires on its failure and stays quiet on a healthy series, and the dashboard's queries parsed by promtool;
-  `promtool check metrics` on a running node's /metrics.
+- Prometheus: `promtool check config` / `check rules` (package prometheus), `promtool test rules` on
+  alerts.test.yml beside this file to show that each alert fires on its failure and stays quiet on a healthy series
+  (and that every alert has both cases there), and the dashboard's queries parsed by promtool; `promtool check
+  metrics` on a running node's /metrics. Every labelled counter an alert takes the increase() or rate() of is one the
+  node shows at 0 before its first event (coordinator/metrics.py ZERO_SERIES).
 - Every metric and label that alerts.yml and the dashboard reference is one the node exports (CONTRACT.md).
 - Every alert has its runbook section.
 
@@ -30,6 +32,7 @@ from typing import Any
 import pytest
 
 from replicator.coordinator.certs_cmd import cmd_init
+from replicator.coordinator.metrics import ZERO_SERIES, Known
 from replicator.coordinator.node import BOOT_TIMEOUT
 from replicator.shared.config import ReplicationSection
 from replicator.shared.tls import create_ca
@@ -467,238 +470,90 @@ def test_promtool_checks_the_rules_and_the_scrape_config() -> None:
     assert "SUCCESS: 1 rule files found" in result.stdout
 
 
-def without_annotations(text: str) -> str:
-    # promtool test rules compares annotations exactly; the scenarios below are about when an alert fires.
-    kept: list[str] = []
-    dropping: int | None = None
-    for line in text.splitlines():
-        if dropping is not None and (not line.strip() or _indent(line) > dropping):
-            continue
-        dropping = None
-        if line.strip() == "annotations:":
-            dropping = _indent(line)
-            continue
-        kept.append(line)
-    return "\n".join(kept) + "\n"
+ALERT_TESTS = Path(__file__).with_name("alerts.test.yml")
 
 
-TARGET = {"job": "replicator", "instance": "127.0.0.1:9926", "node": "a"}
-GIB = 1024**3
-
-
-def series(name: str, values: str, **labels: str) -> dict[str, str]:
-    merged = {**TARGET, **labels}
-    return {"series": name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(merged.items())) + "}", "values": values}
-
-
-def fires(at: str, alert: str, severity: str, **labels: str) -> dict[str, Any]:
-    return {
-        "eval_time": at,
-        "alertname": alert,
-        "exp_alerts": [{"exp_labels": {**TARGET, "severity": severity, **labels}}],
-    }
-
-
-def quiet(at: str, alert: str) -> dict[str, Any]:
-    return {"eval_time": at, "alertname": alert, "exp_alerts": []}
-
-
-def scenario(inputs: list[dict[str, str]], *checks: dict[str, Any]) -> dict[str, Any]:
-    return {"interval": "1m", "input_series": inputs, "alert_rule_test": list(checks)}
-
-
-RSS = "replicator_worker_rss_bytes"
-REPAIRED = "replicator_antientropy_records_repaired_total"
-EXPIRY = "replicator_certificate_expiry_timestamp_seconds"
-DAY = 86400
-SCENARIOS = [
-    # The node stops answering at 2m; the alert waits 2 minutes for systemd's restart.
-    scenario(
-        [series("up", "1 1 0x10")], quiet("3m", "ReplicatorNodeDown"), fires("5m", "ReplicatorNodeDown", "critical")
-    ),
-    scenario(
-        [series("replicator_workers_ready", "2 0x10")],
-        quiet("2m", "ReplicatorNoWorkersReady"),
-        fires("4m", "ReplicatorNoWorkersReady", "critical"),
-    ),
-    # Two workers alive, one ready.
-    scenario(
-        [
-            series("replicator_workers_ready", "1x10"),
-            series(RSS, "60000000x10", worker="0"),
-            series(RSS, "60000000x10", worker="1"),
-        ],
-        quiet("4m", "ReplicatorWorkersNotReady"),
-        fires("6m", "ReplicatorWorkersNotReady", "warning"),
-    ),
-    scenario(
-        [
-            series("replicator_workers_ready", "2x10"),
-            series(RSS, "60000000x10", worker="0"),
-            series(RSS, "60000000x10", worker="1"),
-        ],
-        quiet("9m", "ReplicatorWorkersNotReady"),
-    ),
-    # A crash loop: one restart a minute.
-    scenario(
-        [series("replicator_worker_restarts_total", "0+1x20")],
-        quiet("2m", "ReplicatorWorkerRestartLoop"),
-        fires("8m", "ReplicatorWorkerRestartLoop", "warning"),
-    ),
-    # Three restarts in a row on an established counter: not yet a loop.
-    scenario(
-        [series("replicator_worker_restarts_total", "5x20 6 7 8 8x20")],
-        quiet("25m", "ReplicatorWorkerRestartLoop"),
-        quiet("35m", "ReplicatorWorkerRestartLoop"),
-    ),
-    scenario(
-        [
-            series("replicator_peer_connected", "1 0x10", peer="b", database="orders"),
-            series("replicator_peer_connected", "1x10", peer="b", database="system"),
-        ],
-        quiet("4m", "ReplicatorPairDisconnected"),
-        fires("7m", "ReplicatorPairDisconnected", "warning", peer="b", database="orders"),
-    ),
-    # A pair that reconnects within the re-drive window does not page.
-    scenario(
-        [series("replicator_peer_connected", "1 0 0 0 1x10", peer="b", database="orders")],
-        quiet("8m", "ReplicatorPairDisconnected"),
-    ),
-    # 2 setups armed per second, sustained.
-    scenario(
-        [series("replicator_setup_armed_total", "0+120x30")],
-        quiet("8m", "ReplicatorSetupStorm"),
-        fires("16m", "ReplicatorSetupStorm", "warning"),
-    ),
-    # A boot of 1,000 pairs arms 1,000 setups at once; a healthy node then arms a handful per minute.
-    scenario(
-        [series("replicator_setup_armed_total", "0 1000 1000+5x40")],
-        quiet("5m", "ReplicatorSetupStorm"),
-        quiet("12m", "ReplicatorSetupStorm"),
-        quiet("30m", "ReplicatorSetupStorm"),
-    ),
-    scenario(
-        [series("replicator_replication_lag_seconds", "0 400x20", peer="b", database="orders")],
-        quiet("9m", "ReplicatorReplicationLagHigh"),
-        fires("13m", "ReplicatorReplicationLagHigh", "warning", peer="b", database="orders"),
-    ),
-    # Five minutes behind (a bulk copy), then caught up.
-    scenario(
-        [series("replicator_replication_lag_seconds", "0 400x5 0x20", peer="b", database="orders")],
-        quiet("15m", "ReplicatorReplicationLagHigh"),
-    ),
-    scenario(
-        [series(RSS, f"{2 * GIB}x30", worker="1"), series(RSS, "60000000x30", worker="0")],
-        quiet("10m", "ReplicatorWorkerMemoryHigh"),
-        fires("20m", "ReplicatorWorkerMemoryHigh", "warning", worker="1"),
-    ),
-    # 100 MiB an hour for 4 hours against a flat worker.
-    scenario(
-        [series(RSS, "60000000+1747627x240", worker="0"), series(RSS, "60000000x240", worker="1")],
-        quiet("90m", "ReplicatorWorkerMemoryGrowth"),
-        fires("150m", "ReplicatorWorkerMemoryGrowth", "warning", worker="0"),
-    ),
-    # Warm-up: 30 minutes of growth, then flat.
-    scenario(
-        [series(RSS, "60000000+3000000x30 150000000x210", worker="0")],
-        quiet("4h", "ReplicatorWorkerMemoryGrowth"),
-    ),
-    scenario(
-        [series("replicator_origins_failed_over", "0 1x30", database="orders")],
-        quiet("10m", "ReplicatorOriginFailedOver"),
-        fires("20m", "ReplicatorOriginFailedOver", "warning", database="orders"),
-    ),
-    # A link down for a few minutes fails over and back: no page.
-    scenario(
-        [series("replicator_origins_failed_over", "0 1x5 0x30", database="orders")],
-        quiet("20m", "ReplicatorOriginFailedOver"),
-    ),
-    scenario(
-        [series("replicator_databases_recovering", "1x60")],
-        quiet("20m", "ReplicatorDatabaseRecovering"),
-        fires("40m", "ReplicatorDatabaseRecovering", "warning"),
-    ),
-    scenario(
-        [series("replicator_databases_recovering", "1x5 0x60")],
-        quiet("40m", "ReplicatorDatabaseRecovering"),
-    ),
-    # One refusal every minute: the peer's clock stays ahead.
-    scenario(
-        [series("replicator_clock_skew_refusals_total", "0+1x40", peer="b")],
-        quiet("5m", "ReplicatorClockSkew"),
-        fires("25m", "ReplicatorClockSkew", "warning", peer="b"),
-    ),
-    scenario(
-        [series("replicator_clock_skew_refusals_total", "0 1 2 2x40", peer="b")],
-        quiet("30m", "ReplicatorClockSkew"),
-    ),
-    # A record repaired every few minutes, from two peers, for 5 hours: something keeps making copies differ.
-    scenario(
-        [
-            series(REPAIRED, "0+1x300", peer="b", database="orders"),
-            series(REPAIRED, "0+0.5x300", peer="c", database="orders"),
-            series(REPAIRED, "0x300", peer="b", database="system"),
-        ],
-        quiet("2h", "ReplicatorRepairsRecurring"),
-        fires("4h", "ReplicatorRepairsRecurring", "warning", database="orders"),
-    ),
-    # One burst of repairs (a node back from a long outage, a restored file), then none: no page.
-    scenario(
-        [series(REPAIRED, "0 500 500x300", peer="b", database="orders")],
-        quiet("30m", "ReplicatorRepairsRecurring"),
-        quiet("4h", "ReplicatorRepairsRecurring"),
-    ),
-    scenario(
-        [series("replicator_checksum_failures_total", "0x5 1x30", database="orders")],
-        quiet("4m", "ReplicatorChecksumFailures"),
-        fires("8m", "ReplicatorChecksumFailures", "warning", database="orders"),
-        quiet("25m", "ReplicatorChecksumFailures"),
-    ),
-    # A node restarted with failures counted before: a steady counter is no news.
-    scenario(
-        [series("replicator_checksum_failures_total", "3x30", database="orders")],
-        quiet("20m", "ReplicatorChecksumFailures"),
-    ),
-    # A peer forging rows, then records under our origin in two databases: one alert per peer.
-    scenario(
-        [
-            series("replicator_registry_rows_refused_total", "0x5 2x30", peer="mallet"),
-            series("replicator_foreign_origin_refusals_total", "0x20 1x30", peer="mallet", database="orders"),
-            series("replicator_foreign_origin_refusals_total", "0x40", peer="b", database="orders"),
-        ],
-        quiet("4m", "ReplicatorPeerForgery"),
-        fires("8m", "ReplicatorPeerForgery", "warning", peer="mallet"),
-        quiet("40m", "ReplicatorPeerForgery"),
-    ),
-    # The test clock starts at the epoch: a node certificate that expires 31 days later, a CA in ten years. Under 30
-    # days from 24h on, for an hour.
-    scenario(
-        [
-            series(EXPIRY, f"{31 * DAY}x1600", certificate="node"),
-            series(EXPIRY, f"{3650 * DAY}x1600", certificate="ca"),
-        ],
-        quiet("23h", "ReplicatorCertificateExpiresSoon"),
-        quiet("24h50m", "ReplicatorCertificateExpiresSoon"),
-        fires("26h", "ReplicatorCertificateExpiresSoon", "warning", certificate="node"),
-    ),
-    # Renewed a few minutes after crossing the line: a year ahead again, no page.
-    scenario(
-        [series(EXPIRY, f"{31 * DAY}x1450 {396 * DAY}x200", certificate="node")],
-        quiet("26h", "ReplicatorCertificateExpiresSoon"),
-    ),
-]
-
-
-def test_alerts_fire_on_their_failure_and_not_on_a_healthy_series(tmp_path: Path) -> None:
+def test_alerts_fire_on_their_failure_and_not_on_a_healthy_series() -> None:
     promtool = tool("promtool", "prometheus")
-    stripped = tmp_path / "alerts.yml"
-    stripped.write_text(without_annotations((OPS / "alerts.yml").read_text()))
-    covered = {check["alertname"] for s in SCENARIOS for check in s["alert_rule_test"]}
-    assert covered == {rule["alert"] for rule in alert_rules()}, "every alert needs a scenario"
-    spec = tmp_path / "alerts.test.json"  # JSON is YAML
-    spec.write_text(json.dumps({"rule_files": [str(stripped)], "evaluation_interval": "1m", "tests": SCENARIOS}))
-    result = run(promtool, "test", "rules", spec)
+    result = run(promtool, "test", "rules", ALERT_TESTS)
     assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout and "FAILED" not in result.stdout, result.stdout
+
+
+def alert_checks(text: str) -> list[tuple[str, bool]]:
+    """(alert name, fires) for every check of a promtool test file written as alerts.test.yml is: `alertname:`, then
+    `exp_alerts: []` for a check that expects none, or `exp_alerts:` and the alerts it expects."""
+    lines = [line.strip().removeprefix("- ") for line in text.splitlines()]
+    checks = []
+    for index, line in enumerate(lines):
+        if not line.startswith("alertname:"):
+            continue
+        following = lines[index + 1] if index + 1 < len(lines) else ""
+        assert following in {"exp_alerts: []", "exp_alerts:"}, f"{line}: followed by {following!r}, not exp_alerts"
+        checks.append((line.removeprefix("alertname:").strip(), following == "exp_alerts:"))
+    return checks
+
+
+def case_problems(text: str, alerts: Set[str]) -> list[str]:
+    """What the promtool test file `text` lacks for the alerts: a case where each fires and one where it stays quiet;
+    and the cases it has for alerts that are not there."""
+    checks = alert_checks(text)
+    problems = []
+    for name in sorted(alerts):
+        if (name, True) not in checks:
+            problems.append(f"{name}: no case where it fires")
+        if (name, False) not in checks:
+            problems.append(f"{name}: no case where it stays quiet")
+    unknown = {name for name, _ in checks} - alerts
+    return problems + [f"{name}: a case for an alert that ops/alerts.yml does not have" for name in sorted(unknown)]
+
+
+def test_every_alert_has_a_case_that_fires_and_one_that_stays_quiet() -> None:
+    text = ALERT_TESTS.read_text()
+    assert re.search(r"^rule_files:\s*\n\s*- \.\./\.\./ops/alerts\.yml$", text, re.MULTILINE), "not the ops/ rules"
+    # Every check names its alert on a line of its own, or this count would miss it.
+    assert len(alert_checks(text)) == text.count("alertname:") == text.count("eval_time:")
+    problems = case_problems(text, {rule["alert"] for rule in alert_rules()})
+    assert not problems, "\n".join(problems)
+
+
+def test_the_case_check_catches_an_alert_without_its_cases() -> None:
+    text = ALERT_TESTS.read_text()
+    names = {rule["alert"] for rule in alert_rules()}
+    assert case_problems(text, {*names, "ReplicatorNew"}) == [
+        "ReplicatorNew: no case where it fires",
+        "ReplicatorNew: no case where it stays quiet",
+    ]
+    no_quiet = re.sub(
+        r"alertname: ReplicatorClockSkew(\n\s*exp_alerts: \[\])", r"alertname: ReplicatorNodeDown\1", text
+    )
+    assert case_problems(no_quiet, names) == ["ReplicatorClockSkew: no case where it stays quiet"]
+    with pytest.raises(AssertionError, match="not exp_alerts"):
+        alert_checks("      - alertname: ReplicatorNodeDown\n        eval_time: 5m\n        exp_alerts: []\n")
+
+
+RATED = re.compile(r"\b(?:increase|rate|irate|resets)\(\s*([a-z_:][a-z0-9_:]*)")
+
+
+def test_every_counter_an_alert_rates_shows_zero_before_its_first_event() -> None:
+    """increase() and rate() see nothing of the event a series appears with, so each labelled counter an alert
+    takes them of must be shown at 0 before its first event, for the label values the node knows (peers, databases,
+    pairs); a counter without labels has its series from the start."""
+    rated = {name for rule in alert_rules() for name in RATED.findall(rule["expr"])}
+    assert {"replicator_clock_skew_refusals_total", "replicator_registry_rows_refused_total"} <= rated
+    problems = []
+    for name in sorted(rated):
+        labels = EXPORTED.get(name)
+        source = ZERO_SERIES.get(name)
+        if labels is None:
+            problems.append(f"{name}: not a counter the node exports")
+        elif not labels:
+            continue
+        elif not isinstance(source, Known):
+            problems.append(f"{name}: not shown at 0 for what the node knows (coordinator/metrics.py ZERO_SERIES)")
+        elif set(source.value) != labels:
+            problems.append(f"{name}: shown at 0 for {source.name}, its labels are {sorted(labels)}")
+    assert not problems, "\n".join(problems)
 
 
 # -- names and labels ------------------------------------------------------------------------------------------

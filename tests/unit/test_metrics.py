@@ -22,6 +22,7 @@ from aiohttp import WSMsgType
 from cryptography import x509
 from prometheus_client.parser import text_string_to_metric_families
 
+from replicator.coordinator import metrics
 from replicator.coordinator.node import Node
 from replicator.shared import messages, wire
 from replicator.shared.histograms import BATCH_APPLY_SECONDS, BUCKETS, bucket
@@ -84,6 +85,58 @@ def test_lag_is_absent_until_the_pair_receives_a_batch(loop: VirtualTimeLoop) ->
     connect(node, view, "system", worker=0, session=9)
     node.on_worker_message(0, progress(view, "system", 9, caught_up=True))
     assert named(scrape(node), LAG)[(("database", "system"), ("peer", "b"))] == 0.0
+
+
+# -- the alerts' counters at 0 -------------------------------------------------------------------------------------
+
+SKEW = "replicator_clock_skew_refusals_total"
+ROWS = "replicator_registry_rows_refused_total"
+FOREIGN = "replicator_foreign_origin_refusals_total"
+
+
+def test_the_alerts_counters_show_zero_for_each_known_peer_and_pair_until_counted(loop: VirtualTimeLoop) -> None:
+    node, _ = make_node(loop)
+    add(node, peer("b", 2000, holds=("db",)))
+    add(node, peer("c", 3000, holds=("db", "other")))
+    node.holds = {"db", "other", "system"}
+    loop.advance(5.0)
+    samples = scrape(node)
+    peers = {(("peer", "b"),): 0.0, (("peer", "c"),): 0.0}
+    assert named(samples, SKEW) == peers
+    assert named(samples, ROWS) == peers
+    pairs = [("b", "system"), ("b", "db"), ("c", "system"), ("c", "db"), ("c", "other")]
+    assert named(samples, FOREIGN) == {(("database", d), ("peer", p)): 0.0 for p, d in pairs}
+
+    refused = [messages.CounterDelta(SKEW, ["c"], 1.0), messages.CounterDelta(FOREIGN, ["c", "other"], 3.0)]
+    node.on_worker_message(0, messages.Heartbeat(worker=0, rss_bytes=0, counters=refused))
+    samples = scrape(node)
+    assert named(samples, SKEW) == {(("peer", "b"),): 0.0, (("peer", "c"),): 1.0}
+    assert named(samples, FOREIGN)[(("database", "other"), ("peer", "c"))] == 3.0
+
+    # c leaves the registry: no more zeros for it; what it was counted stays, as counters do.
+    node.on_node_removed("c")
+    samples = scrape(node)
+    assert named(samples, SKEW) == {(("peer", "b"),): 0.0, (("peer", "c"),): 1.0}
+    assert named(samples, ROWS) == {(("peer", "b"),): 0.0}
+    assert named(samples, FOREIGN) == {
+        (("database", "system"), ("peer", "b")): 0.0,
+        (("database", "db"), ("peer", "b")): 0.0,
+        (("database", "other"), ("peer", "c")): 3.0,
+    }
+
+
+def test_a_zero_series_entry_that_does_not_fit_its_counter_is_refused_at_import(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert metrics._zero_layouts()[FOREIGN] == (0, 1)  # (peer, database), as Known.PAIRS has them
+    assert metrics._zero_layouts()["replicator_records_applied_total"] == (1, 0)  # (database, peer)
+    monkeypatch.setitem(metrics.ZERO_SERIES, "replicator_records_written_total", metrics.Known.PEERS)
+    with pytest.raises(ValueError, match="replicator_records_written_total: labels"):
+        metrics._zero_layouts()
+    monkeypatch.setitem(metrics.ZERO_SERIES, "replicator_records_written_total", ("a", "b"))
+    monkeypatch.setitem(metrics.ZERO_SERIES, "replicator_pair_stalls_total", metrics.Known.PEERS)
+    with pytest.raises(ValueError, match="replicator_pair_stalls_total, which is not a counter"):
+        metrics._zero_layouts()
 
 
 # -- setup to connected ----------------------------------------------------------------------------------------------
