@@ -35,7 +35,7 @@ from replicator.shared import membership, memory, revocation
 from replicator.shared.config import DATABASE_PATTERN_RE, NAME_RE
 from replicator.shared.keys import normalize_url
 from replicator.shared.logs import capture_library_logs, log
-from replicator.shared.store import SYSTEM, BadName, NodeRow, UnknownDatabase
+from replicator.shared.store import SYSTEM, BadName, NodeRow, RefusedFile, UnknownDatabase
 from replicator.shared.tls import TlsConfigError, ca_certificates, certificates_pem
 
 _json = msgspec.json.Encoder()
@@ -277,6 +277,8 @@ class AdminServer:
             database = self._node.store.database(name)
         except BadName as exc:
             return _error(400, str(exc))
+        except RefusedFile as exc:
+            return _error(503, str(exc))
         except UnknownDatabase as exc:
             return _error(404, str(exc))
         # Off the loop: the scrub may hold the database's lock for a table scan (check_digests).

@@ -1,10 +1,12 @@
 """`replicator check-config --config FILE`: load a config as `run` would, and say whether it would start.
 
 The same loader (the file, then the `REPLICATOR_*` overrides of this environment, then every range and name check),
-then the certificate files it names: readable, parseable, the key matching the certificate, the CA loading. Exit 0
-with one line (or a JSON object with --json) when the node could start with it, 2 with the loader's message (the
-file, the key and what is wrong) when it could not. The units run it as the first `ExecReload=` step, before the
-SIGHUP: a bad file makes `systemctl reload` fail and leaves the running node on the file it has.
+then the certificate files it names: readable, parseable, the key matching the certificate and private to its owner,
+the CA loading. Exit 0 with one line (or a JSON object with --json) when the node could start with it, 2 with the
+loader's message (the file, the key and what is wrong) when it could not. A file that sets a secret (data.token) and
+that every user of the host may read is still a file the node starts with: exit 0, with a warning line on stderr
+(`warnings` in the JSON object), as `run` logs `config_readable`. The units run it as the first `ExecReload=` step,
+before the SIGHUP: a bad file makes `systemctl reload` fail and leaves the running node on the file it has.
 
 Under systemd its output is the journal: each line carries its syslog priority there, like the node's own.
 """
@@ -15,7 +17,7 @@ import json
 import sys
 from typing import TextIO
 
-from replicator.shared.config import Config, ConfigError, load, resolve_path
+from replicator.shared.config import Config, ConfigError, load, readable_secrets, resolve_path
 from replicator.shared.logs import priority_prefix
 from replicator.shared.tls import TlsConfigError, server_context
 
@@ -45,6 +47,10 @@ def cmd_check_config(path: str, as_json: bool = False) -> int:
             _say(sys.stdout, "info", json.dumps({"ok": False, "config": path, "error": str(exc)}))
         _say(sys.stderr, "error", f"replicator: {exc}")
         return EXIT_CONFIG
+    readable = readable_secrets(config.source)
+    warnings = [readable.warning()] if readable is not None else []
+    for warning in warnings:
+        _say(sys.stderr, "warning", f"replicator: warning: {warning}")
     summary = {
         "ok": True,
         "config": config.source,
@@ -52,6 +58,7 @@ def cmd_check_config(path: str, as_json: bool = False) -> int:
         "url": config.node.url,
         "workers": config.worker_count,
         "peers": [peer.name for peer in config.peers],
+        "warnings": warnings,
     }
     if as_json:
         _say(sys.stdout, "info", json.dumps(summary))

@@ -9,7 +9,9 @@ worker trip over it later, would be worse. With `replication.recover_damaged` it
 empty, which starts it `recovering`, and its peers serve it back.
 
 A file that cannot be checked at all (permissions, a lock another process holds) says nothing about its content:
-it is a boot error too, and is never moved aside.
+it is a boot error too, and is never moved aside. A file the store refuses (a symbolic link in place of the file or
+of one of its sidecars, `shared.store.refusal`) is not checked either, nor moved: it is not opened, and the store
+reports it (`database_file_refused`) while the node serves everything else.
 
 While the node runs, `/readyz` asks a `WriteProbe` whether the store can still write: a full disk, a read-only file
 system or a database file that refuses its write lock make the node not ready, with the reason.
@@ -28,14 +30,11 @@ from pathlib import Path
 
 from replicator.shared.config import NAME_RE
 from replicator.shared.logs import log
-from replicator.shared.store import SUFFIX
+from replicator.shared.store import SIDECARS, SUFFIX, refusal
 
 DAMAGED_DIR = "damaged"
 HEADER = b"SQLite format 3\x00"
 HEADER_SIZE = 100
-# What SQLite keeps beside a database file. The sidecars move first: a -wal left behind would be replayed into the
-# empty file that replaces the damaged one.
-SIDECARS = ("-wal", "-shm", "-journal")
 BUSY_TIMEOUT = 10.0
 # Result codes that say the file could not be read, not that its content is wrong (sqlite3.h primary codes).
 _CANNOT_TELL = {
@@ -79,12 +78,13 @@ def check_file(path: Path, full: bool = False) -> str | None:
     """What is wrong with the database file at `path`, or None when it is sound (or gone).
 
     `full`: PRAGMA integrity_check (reads every page and index) instead of quick_check. Raises Unreadable when the
-    file cannot be checked.
+    file cannot be checked. Nothing is followed: a link is not a regular file (`check_databases` leaves the links
+    the store refuses to it, unchecked).
     """
     try:
-        info = path.stat()
+        info = path.lstat()
     except FileNotFoundError:
-        return "a symbolic link to nothing" if path.is_symlink() else None
+        return None
     except PermissionError as exc:
         raise Unreadable(f"database file {path} cannot be checked: {exc.strerror}") from None
     except OSError as exc:
@@ -95,7 +95,7 @@ def check_file(path: Path, full: bool = False) -> str | None:
         return "not a regular file"
     for suffix in SIDECARS:
         sidecar = Path(f"{path}{suffix}")
-        if sidecar.exists() and not sidecar.is_file():
+        if os.path.lexists(sidecar) and (sidecar.is_symlink() or not sidecar.is_file()):
             return f"its {sidecar.name} is not a regular file"
     if info.st_size == 0:
         return None  # an empty file is an empty database: it is set up and recovered like a new one
@@ -156,11 +156,12 @@ def _pragma_check(path: Path, full: bool) -> str | None:
 def check_databases(
     directory: Path, *, full: bool, recover: bool, wall: Callable[[], float]
 ) -> tuple[int, list[Damage]]:
-    """Check every database file of `directory`: (how many were checked, the damaged ones, now moved aside).
+    """Check every database file of `directory`: (how many were checked, the damaged ones, now moved aside). A file
+    the store refuses (`refusal`) is neither checked nor counted, and never moved.
 
     Without `recover`, raises DamagedFiles naming every damaged file; Unreadable for one it cannot check.
     """
-    files = database_files(directory)
+    files = [(database, path) for database, path in database_files(directory) if refusal(path) is None]
     damaged = []
     for database, path in files:
         reason = check_file(path, full)
@@ -182,7 +183,8 @@ def check_databases(
 
 
 def move_aside(directory: Path, path: Path, wall: Callable[[], float]) -> Path:
-    """Move a database file and its sidecars to `<directory>/damaged/<name>.<UTC timestamp>`; returns the new path."""
+    """Move a database file and its sidecars to `<directory>/damaged/<name>.<UTC timestamp>`; returns the new path.
+    The sidecars move first: a -wal left behind would be replayed into the empty file that replaces the damaged one."""
     folder = directory / DAMAGED_DIR
     folder.mkdir(exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(wall()))

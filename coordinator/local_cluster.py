@@ -171,7 +171,11 @@ class LocalNode:
         routes = {peer: self.cluster.peer_url(self.name, peer) for peer in self.peers} | self.outside_peers
         for peer, url in routes.items():
             lines += ["[[peers]]", f"name = {_toml(peer)}", f"url = {_toml(url)}", ""]
-        self.config_path.write_text("\n".join(lines))
+        # Private, as `replicator init` writes one: it may hold the data token (a world-readable one is warned about).
+        fd = os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as file:
+            os.fchmod(file.fileno(), 0o600)
+            file.write("\n".join(lines))
 
     def start(self, env: dict[str, str] | None = None, args: Iterable[str] = ()) -> None:
         assert self.process is None or self.process.poll() is not None, f"{self.name} is running"

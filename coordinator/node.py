@@ -222,6 +222,9 @@ class Node:
             )
         except TlsConfigError as exc:
             raise BootError(str(exc)) from None
+        readable = config_module.readable_secrets(config.source) if config.source else None
+        if readable is not None:
+            log.warning("config_readable", path=readable.path, mode=readable.octal, keys=list(readable.keys))
         try:
             self.signer = membership.Signer.load(
                 self.name,

@@ -12,8 +12,10 @@ import json
 import math
 import os
 import re
+import stat
 import tomllib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -403,6 +405,59 @@ def _check_exposure(config: Config, fail: Any) -> None:
             f"is empty while the node port listens on {listen.host or 'every interface'!r}: any client there could "
             "write and create databases; set data.token (`replicator init` writes one) or listen on 127.0.0.1",
         )
+
+
+# The keys that hold a secret. A config file that sets one warns when every user of the host may read it
+# (`readable_secrets`); a new secret key (listen.admin_token) is added here.
+SECRET_KEYS = ("data.token",)
+# Readable by every user of the host. Group-readable is fine: the units install the file root:replicator 0640.
+WORLD_READABLE = stat.S_IROTH
+
+
+@dataclass(frozen=True)
+class ReadableSecrets:
+    """A config file that sets secrets (`keys`) and that every user of the host may read (`mode`)."""
+
+    path: str
+    mode: int
+    keys: tuple[str, ...]
+
+    @property
+    def octal(self) -> str:
+        return f"{self.mode:04o}"
+
+    def warning(self) -> str:
+        return (
+            f"{self.path}: holds {', '.join(self.keys)} and is readable by every user of this host (mode {self.octal});"
+            f" chmod 600 {self.path} (or 640 with the node's group)"
+        )
+
+
+def secrets_set(raw: Mapping[str, Any]) -> tuple[str, ...]:
+    """The SECRET_KEYS a config file's TOML sets to something other than empty."""
+    found = []
+    for key in SECRET_KEYS:
+        section, name = key.split(".")
+        table = raw.get(section)
+        if isinstance(table, dict) and table.get(name):
+            found.append(key)
+    return tuple(found)
+
+
+def readable_secrets(path: str | os.PathLike[str]) -> ReadableSecrets | None:
+    """The config file at `path` when it sets a secret (`secrets_set`) and every user of the host may read it (mode
+    & WORLD_READABLE); None otherwise, and for a file that cannot be read (the loader says why). What the file itself
+    holds counts: a token given by a `REPLICATOR_*` variable is not in it."""
+    try:
+        with open(path, "rb") as file:
+            mode = stat.S_IMODE(os.fstat(file.fileno()).st_mode)
+            if not mode & WORLD_READABLE:
+                return None
+            raw = tomllib.load(file)
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+    keys = secrets_set(raw)
+    return ReadableSecrets(str(path), mode, keys) if keys else None
 
 
 def is_loopback(host: str) -> bool:

@@ -36,6 +36,10 @@ build from its own writes (a new, empty or lost file, another node's file, or on
 time: `regress`); there the own origin counts only what peers have confirmed, until the coordinator sees the
 peers have served it (`finish_recovery`). What the node knows of its own writes is decided in one place,
 `shared.own_writes`; this module keeps its state in the file.
+
+The store opens only regular files: a `<name>.sqlite` that is a symbolic link, to anything, or whose -wal, -shm or
+-journal is one (SQLite opens those by name beside it), is refused (`refusal`, `RefusedFile`), never followed and
+never changed; the rest of the data directory is served as usual. The data directory itself may be a link.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import os
 import secrets
 import shutil
 import sqlite3
+import stat
 import sys
 import threading
 import time
@@ -67,6 +72,8 @@ from replicator.shared.wire import Entry
 _place = digests.place
 
 SUFFIX = ".sqlite"
+# What SQLite keeps beside a database file, under the file's name and these suffixes.
+SIDECARS = ("-wal", "-shm", "-journal")
 SYSTEM = "system"
 NODES = "nodes"
 # The system table of deletion markers (`shared.dropped`): id a database name, version the database's deletion floor.
@@ -204,6 +211,37 @@ class DatabaseRemoving(UnknownDatabase):
     def __init__(self, name: str) -> None:
         LookupError.__init__(self, f"database {name!r} is being removed on this node; try again")
         self.name = name
+
+
+class RefusedFile(UnknownDatabase):
+    """The database's file is one the store will not open (`refusal`): to every caller it is a database this node
+    does not have, and the message names the file and why."""
+
+    def __init__(self, name: str, path: Path, reason: str) -> None:
+        LookupError.__init__(self, reason)
+        self.name = name
+        self.path = path
+
+
+def refusal(path: Path) -> str | None:
+    """Why the store will not open the database file at `path`, or None. A symbolic link in its place, or in place of
+    one of its SIDECARS, is refused whatever it points at (a file outside the data directory, another database, one
+    not there yet): following it would read and write a file the node does not own, chosen by whoever made the
+    link. Looked at with lstat: nothing is followed, opened or changed."""
+    for suffix in ("", *SIDECARS):
+        candidate = Path(f"{path}{suffix}")
+        try:
+            if not stat.S_ISLNK(os.lstat(candidate).st_mode):
+                continue
+            target = os.readlink(candidate)
+        except OSError:
+            continue  # absent: SQLite makes a missing sidecar itself, and a missing file is no database
+        what = f"database file {path} is" if not suffix else f"database file {path}: its {candidate.name} is"
+        return (
+            f"{what} a symbolic link (to {target[:300]}); refused: the node opens only regular files in its data"
+            f" directory and has changed nothing (put the file itself in place of the link)"
+        )
+    return None
 
 
 def check_name(name: str, kind: str = "name") -> str:
@@ -525,8 +563,9 @@ class Database:
         if create and not path.exists():
             _build_file(path, node, _clock_floor(clock, clock_lead), dropped, history, clock() // 1000)
         try:
+            # absolute(), not resolve(): the name itself is opened, never what a link in its place points at.
             self._conn = sqlite3.connect(
-                f"{path.resolve().as_uri()}?mode=rw",
+                f"{path.absolute().as_uri()}?mode=rw",
                 uri=True,
                 timeout=BUSY_TIMEOUT,
                 isolation_level=None,
@@ -1489,6 +1528,9 @@ class Store:
         self._clock_lead = clock_lead
         self._databases: dict[str, Database] = {}
         self._blocked: set[str] = set()  # databases being removed: not opened until unblocked
+        # Files refused (`refusal`) and logged as such by this Store: one warning per file and process, not one per
+        # request; a file that is fine again leaves the set, and is logged again if it is refused again.
+        self._refused: set[Path] = set()
         self._lock = threading.Lock()
         # Called with a database's name after each commit of this process that changed it, from the thread that
         # committed (`shared.notify`, `workers.changes`).
@@ -1499,8 +1541,9 @@ class Store:
 
     def database(self, name: str, create: bool = False) -> Database:
         """The database `name`, opened once per Store; UnknownDatabase if it has no file, unless `create`;
-        DatabaseRemoving while it is blocked. A database created here after a deletion is born with its floor, and
-        one this node never held (see `held`) with no history to recover."""
+        DatabaseRemoving while it is blocked; RefusedFile, created or not, when its file is refused (`refusal`). A
+        database created here after a deletion is born with its floor, and one this node never held (see `held`) with
+        no history to recover."""
         path = self.path(name)
         floor = NO_DELETION
         history = own_writes.LOST
@@ -1520,6 +1563,7 @@ class Store:
             db = self._databases.get(name)
             if db is not None:
                 return db
+            self._guard_file(name, path)
             if not create and not path.exists():
                 raise UnknownDatabase(name)
             if create:
@@ -1582,11 +1626,34 @@ class Store:
         return taken
 
     def names(self) -> list[str]:
-        """The databases on disk, whether this process has opened them or not."""
+        """The databases on disk, whether this process has opened them or not; a refused file (`refusal`) is none."""
         if not self.data_dir.is_dir():
             return []
-        stems = (path.name[: -len(SUFFIX)] for path in self.data_dir.iterdir() if path.name.endswith(SUFFIX))
-        return sorted(stem for stem in stems if NAME_RE.match(stem))
+        with os.scandir(self.data_dir) as listing:
+            links = {entry.name: entry.is_symlink() for entry in listing}
+        found = []
+        for file, link in links.items():
+            stem = file[: -len(SUFFIX)]
+            if not file.endswith(SUFFIX) or not NAME_RE.match(stem):
+                continue
+            if link or any(links.get(file + suffix) for suffix in SIDECARS):
+                try:
+                    self._guard_file(stem, self.data_dir / file)
+                except RefusedFile:
+                    continue
+            found.append(stem)
+        return sorted(found)
+
+    def _guard_file(self, name: str, path: Path) -> None:
+        """RefusedFile when the store will not open `path` (`refusal`), logged the first time this Store refuses it."""
+        reason = refusal(path)
+        if reason is None:
+            self._refused.discard(path)
+            return
+        if path not in self._refused:
+            self._refused.add(path)
+            log.warning("database_file_refused", database=name, path=str(path), reason=reason)
+        raise RefusedFile(name, path, reason)
 
     def close(self) -> None:
         with self._lock:
@@ -1675,16 +1742,17 @@ class Store:
         """Delete the file of a blocked database, with its -wal and -shm, if it holds no record at all; True when
         it is gone. The caller makes sure no other process has it open (every one blocked it and closed it):
         a process still holding the file would keep writing to the unlinked copy, or leave a stale WAL beside a new
-        file of the same name."""
+        file of the same name. RefusedFile for a refused file (`refusal`): nothing is removed."""
         path = self.path(name)
         with self._lock:
             if name not in self._blocked:
                 raise RuntimeError(f"database {name!r} must be blocked before it is removed")
         self.forget(name)
+        self._guard_file(name, path)  # a link is refused, not removed, nor what it points at
         if not path.exists():
             return True
         # The check closes the file's last connection, which checkpoints the WAL into it and deletes it.
-        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=rw", uri=True, timeout=BUSY_TIMEOUT)
+        conn = sqlite3.connect(f"{path.absolute().as_uri()}?mode=rw", uri=True, timeout=BUSY_TIMEOUT)
         try:
             empty = conn.execute("SELECT 1 FROM records LIMIT 1").fetchone() is None
         finally:

@@ -4,8 +4,9 @@ One private CA per cluster signs every node certificate. A node certificate carr
 and in its SAN, with both serverAuth and clientAuth usages, because the same certificate serves the node port
 and dials peers. The peer's node name is read back from the verified certificate (`peer_identity`).
 
-`TlsConfigError` covers certificate and key files that are missing, unreadable, malformed or do not belong
-together; the message names the file and what is wrong, and the CLI turns it into exit code 3 at boot.
+`TlsConfigError` covers certificate and key files that are missing, unreadable, malformed, do not belong together,
+or (a private key) can be read by others than its owner; the message names the file and what is wrong, and the CLI
+turns it into exit code 3 at boot (2 from `check-config`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import itertools
 import os
 import re
 import ssl
+import stat
 import tempfile
 import threading
 from asyncio import selector_events, sslproto
@@ -40,6 +42,11 @@ PathLike = str | os.PathLike[str]
 CA_CERT_FILE = "ca.pem"
 CA_KEY_FILE = "ca.key"
 KEY_MODE = 0o600
+# A private key with any of these permission bits is refused, as PostgreSQL and OpenSSH refuse one: group or others
+# may read (or replace) it. A key owned by root may be readable by its group (0640 at most): PostgreSQL's exception,
+# for a key root installs for a service's group (Debian's ssl-cert; the RUNBOOK's root:replicator 0640).
+KEY_REFUSED_BITS = 0o077
+ROOT_KEY_REFUSED_BITS = 0o037
 CERT_MODE = 0o644
 DIR_MODE = 0o700
 # What a TLS connection reads at a time (`limit_read_buffers`).
@@ -65,7 +72,8 @@ _PEM_KEY_RE = re.compile(rb"-----BEGIN ([A-Z ]*)PRIVATE KEY-----.+?-----END \1PR
 
 
 class TlsConfigError(Exception):
-    """A certificate or key file is missing, unreadable, malformed or does not match; the message names it."""
+    """A certificate or key file is missing, unreadable, malformed, does not match, or is a private key others may
+    read; the message names it."""
 
 
 class PeerIdentity(msgspec.Struct, frozen=True):
@@ -315,7 +323,7 @@ def _check_files(ca: PathLike, cert: PathLike | None, key: PathLike | None) -> s
         chain = _parse_certs(cert_path, _read(cert_path, "certificate"), "certificate")
         _check_validity(cert_path, chain[0], "certificate")
         key_path = Path(key) if key is not None else cert_path
-        private_key = _parse_key(key_path, _read(key_path, "key"))
+        private_key = _parse_key(key_path, _read(key_path, "key", private=True))
         if _public_der(private_key.public_key()) != _public_der(chain[0].public_key()):
             raise TlsConfigError(f"{key_path}: the key does not match the certificate {cert_path}")
         _check_issued(cert_path, chain, ca_path, valid_cas)
@@ -431,9 +439,27 @@ def _load_ca(cert_path: Path, key_path: Path) -> tuple[x509.Certificate, Certifi
     return cert, key
 
 
-def _read(path: Path, what: str) -> bytes:
+def key_mode_refused(mode: int, owner: int) -> bool:
+    """Whether a private key file of this mode and owner (uid) is refused: open to group or others
+    (`KEY_REFUSED_BITS`), except a root-owned key readable by its group (`ROOT_KEY_REFUSED_BITS`)."""
+    return bool(mode & (ROOT_KEY_REFUSED_BITS if owner == 0 else KEY_REFUSED_BITS))
+
+
+def _read(path: Path, what: str, *, private: bool = False) -> bytes:
+    """The file's bytes. `private`: it holds a private key, refused when `key_mode_refused`; the mode checked is that
+    of the file read (fstat of the open file, the target of a symbolic link), not of a name."""
     try:
-        return path.read_bytes()
+        with path.open("rb") as file:
+            if private:
+                info = os.fstat(file.fileno())
+                mode = stat.S_IMODE(info.st_mode)
+                # Not a regular file (a directory): the read below says what is wrong with it.
+                if stat.S_ISREG(info.st_mode) and key_mode_refused(mode, info.st_uid):
+                    raise TlsConfigError(
+                        f"{path}: the private key has mode {mode:04o}, open to group or others; a key must be readable"
+                        f" by its owner only: chmod 600 {path}"
+                    )
+            return file.read()
     except FileNotFoundError:
         raise TlsConfigError(f"{path}: {what} file not found") from None
     except IsADirectoryError:

@@ -6,7 +6,9 @@ store. A full disk is 507. Values are stored as msgpack, so any JSON value withi
 
 A value whose msgpack reaches `data.blob_threshold` is written as a blob file first and the record holds a reference
 to it (`shared.blobs`); reads return the value itself. A blob that is missing or damaged on this node is a 503 naming
-the record, never wrong bytes. Bodies and values are limited to `data.max_value_bytes` (413 beyond).
+the record, never wrong bytes. Bodies and values are limited to `data.max_value_bytes` (413 beyond). A database whose
+file the store refuses (a symbolic link, `shared.store.refusal`) is a 503 naming the file, for reads and writes alike:
+it is neither served nor created over.
 
 `answer_errors`, installed on the whole node port, makes whatever else goes wrong a 500 with a JSON reason and one
 sampled log line: no request can put a traceback in the log.
@@ -27,7 +29,14 @@ from aiohttp import web
 from replicator.shared import blobs
 from replicator.shared.config import NAME_RE, is_loopback
 from replicator.shared.logs import log, where
-from replicator.shared.store import BadName, DamagedRecord, Database, DatabaseRemoving, UnknownDatabase
+from replicator.shared.store import (
+    BadName,
+    DamagedRecord,
+    Database,
+    DatabaseRemoving,
+    RefusedFile,
+    UnknownDatabase,
+)
 from replicator.shared.wire import Entry
 from replicator.workers.context import SYSTEM, WorkerContext
 
@@ -229,6 +238,9 @@ class DataApi:
                 response = _error(503, str(exc))
                 response.headers["Retry-After"] = "1"
                 return response
+            except RefusedFile as exc:
+                # The file is there but will not be opened until an operator replaces it (logged once by the store).
+                return _error(503, str(exc))
             except UnknownDatabase as exc:
                 return _error(404, str(exc))
             except BlobUnavailable as exc:
@@ -277,6 +289,8 @@ class DataApi:
     def _database(self, name: str, *, write: bool) -> Database:
         try:
             return self._ctx.database(name)
+        except RefusedFile:
+            raise
         except UnknownDatabase:
             if not write:
                 raise

@@ -102,6 +102,38 @@ def test_the_certificate_files_are_checked(node_config: Path) -> None:
     assert missing.returncode == 2 and "nowhere.toml: no such file" in missing.stderr
 
 
+def test_a_token_every_user_can_read_is_a_warning_not_an_error(node_config: Path) -> None:
+    node_config.chmod(0o644)
+    result = replicator("check-config", "--config", str(node_config))
+    assert result.returncode == 0
+    assert result.stdout.startswith(f"{node_config}: OK (node a, ")
+    assert result.stderr == (
+        f"replicator: warning: {node_config}: holds data.token and is readable by every user of this host (mode 0644);"
+        f" chmod 600 {node_config} (or 640 with the node's group)\n"
+    )
+    document = json.loads(replicator("check-config", "--config", str(node_config), "--json").stdout)
+    assert document["ok"] is True and len(document["warnings"]) == 1
+    assert document["warnings"][0].startswith(f"{node_config}: holds data.token and is readable by every user")
+
+    node_config.chmod(0o640)  # group-readable: how the units install it
+    result = replicator("check-config", "--config", str(node_config), "--json")
+    assert result.returncode == 0 and result.stderr == ""
+    assert json.loads(result.stdout)["warnings"] == []
+
+
+def test_a_key_others_can_read_exits_2_naming_it(node_config: Path) -> None:
+    key = node_config.parent / "a.key"
+    key.chmod(0o604)
+    result = replicator("check-config", "--config", str(node_config))
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == (
+        f"replicator: {node_config}: key 'tls': {key}: the private key has mode 0604, open to group or others; a key"
+        f" must be readable by its owner only: chmod 600 {key}\n"
+    )
+    key.chmod(0o600)
+    assert replicator("check-config", "--config", str(node_config)).returncode == 0
+
+
 def test_on_the_journal_the_lines_carry_their_priority(node_config: Path, tmp_path: Path) -> None:
     # As under systemd, when ExecReload= runs it: stdout and stderr are the journal's stream.
     journal = tmp_path / "journal"

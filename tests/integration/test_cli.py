@@ -115,6 +115,27 @@ def test_unreadable_certificate_is_a_boot_error(node_config: Path) -> None:
     assert result.returncode == 3 and "solo.key" in result.stderr
 
 
+def test_a_key_others_can_read_is_a_boot_error_naming_the_file(node_config: Path) -> None:
+    key = node_config.parent / "solo.key"
+    key.chmod(0o644)
+    result = replicator("run", "--config", str(node_config))
+    assert result.returncode == 3, result.stderr
+    failures = [json.loads(line) for line in result.stderr.splitlines() if '"boot_failed"' in line]
+    assert len(failures) == 1, result.stderr
+    reason = failures[0]["reason"]
+    assert reason.startswith(f"{key}: the private key has mode 0644, open to group or others"), reason
+    assert f"chmod 600 {key}" in reason
+    assert '"worker_started"' not in result.stderr  # refused before any worker
+
+    check = replicator("check-config", "--config", str(node_config))
+    assert check.returncode == 2 and check.stdout == ""
+    assert f"{key}: the private key has mode 0644" in check.stderr and "chmod 600" in check.stderr, check.stderr
+
+    key.chmod(0o600)
+    check = replicator("check-config", "--config", str(node_config))
+    assert check.returncode == 0 and check.stderr == "", check.stderr
+
+
 def test_unwritable_data_directory_is_a_boot_error(node_config: Path, tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
@@ -155,6 +176,40 @@ def test_init_then_run_serves_until_sigterm(node_config: Path) -> None:
         if process.poll() is None:
             process.kill()
         process.communicate()
+
+
+def test_a_config_with_a_token_others_can_read_warns_at_boot(node_config: Path) -> None:
+    admin_port = next(
+        int(line.split("=")[1]) for line in node_config.read_text().splitlines() if line.startswith("admin_port =")
+    )
+    assert 'token = "' in node_config.read_text()  # `init` writes one
+    node_config.chmod(0o644)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "replicator.coordinator.cli", "run", "--config", str(node_config)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _wait_answering(process, admin_port, "/readyz")  # a warning, not a refusal: the node runs
+        errors = _terminate(process)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate()
+    assert process.returncode == 0
+    events = [json.loads(line) for line in errors.splitlines() if line.startswith("{")]
+    warnings = [e for e in events if e["event"] == "config_readable"]
+    assert len(warnings) == 1, errors[-3000:]
+    assert warnings[0]["level"] == "warning"
+    assert (warnings[0]["path"], warnings[0]["mode"], warnings[0]["keys"]) == (
+        str(node_config.resolve()),
+        "0644",
+        ["data.token"],
+    )
+    token = next(line for line in node_config.read_text().splitlines() if line.startswith("token ="))
+    assert token.split('"')[1] not in errors  # the warning names the key, never the secret
 
 
 def test_demo_converges(tmp_path: Path) -> None:

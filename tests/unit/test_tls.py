@@ -22,11 +22,13 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from replicator.coordinator.certs_cmd import cmd_certs_ca, cmd_certs_node, cmd_init
 from replicator.shared.config import load, resolve_path
 from replicator.shared.tls import (
+    KEY_MODE,
     PeerIdentity,
     TlsConfigError,
     client_context,
     create_ca,
     issue_node_cert,
+    key_mode_refused,
     peer_identity,
     server_context,
 )
@@ -191,11 +193,76 @@ def test_mismatched_key_is_a_config_error(ca_dir: Path, certs: Path) -> None:
 def test_garbage_files_are_config_errors(ca_dir: Path, certs: Path, tmp_path: Path) -> None:
     garbage = tmp_path / "garbage.pem"
     garbage.write_text("not a certificate\n")
+    garbage.chmod(KEY_MODE)  # it stands for a key too: a private one, or its mode would be what is refused
 
     with pytest.raises(TlsConfigError, match=r"garbage\.pem: not a PEM CA certificate"):
         client_context(garbage)
     with pytest.raises(TlsConfigError, match=r"garbage\.pem: no PEM private key"):
         server_context(ca_dir / "ca.pem", certs / "a.pem", garbage)
+
+
+@pytest.mark.parametrize(
+    ("mode", "owner", "refused"),
+    [
+        (0o600, 1000, False),
+        (0o400, 1000, False),
+        (0o700, 1000, False),
+        (0o640, 1000, True),
+        (0o644, 1000, True),
+        (0o604, 1000, True),
+        (0o620, 1000, True),
+        (0o602, 1000, True),
+        (0o610, 1000, True),
+        # Owned by root, at most group-readable passes (PostgreSQL's rule for a key shared with a group).
+        (0o600, 0, False),
+        (0o640, 0, False),
+        (0o440, 0, False),
+        (0o644, 0, True),
+        (0o660, 0, True),
+        (0o650, 0, True),
+        (0o604, 0, True),
+    ],
+)
+def test_which_key_modes_are_refused(mode: int, owner: int, refused: bool) -> None:
+    assert key_mode_refused(mode, owner) is refused
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o604, 0o666])
+def test_a_key_others_can_read_is_refused_naming_the_file_its_mode_and_the_fix(
+    ca_dir: Path, certs: Path, mode: int
+) -> None:
+    key = certs / "a.key"
+    key.chmod(mode)
+    expected = rf"a\.key: the private key has mode {mode:04o}, open to group or others; .*: chmod 600 .*a\.key"
+    with pytest.raises(TlsConfigError, match=expected):
+        server_context(ca_dir / "ca.pem", certs / "a.pem", key)
+    with pytest.raises(TlsConfigError, match=expected):
+        client_context(ca_dir / "ca.pem", certs / "a.pem", key)
+    key.chmod(0o600)
+    server_context(ca_dir / "ca.pem", certs / "a.pem", key)
+    key.chmod(0o400)
+    client_context(ca_dir / "ca.pem", certs / "a.pem", key)
+
+
+def test_a_group_readable_key_is_refused_unless_root_owns_it(ca_dir: Path, certs: Path) -> None:
+    key = certs / "a.key"
+    key.chmod(0o640)
+    if os.geteuid() == 0:
+        server_context(ca_dir / "ca.pem", certs / "a.pem", key)  # root's own 0640 key: allowed
+        os.chown(key, 65534, -1)  # root still reads it, now as someone else's key
+    with pytest.raises(TlsConfigError, match=r"a\.key: the private key has mode 0640"):
+        server_context(ca_dir / "ca.pem", certs / "a.pem", key)
+
+
+def test_a_key_kept_in_the_certificate_file_makes_that_file_private(ca_dir: Path, certs: Path, tmp_path: Path) -> None:
+    both = tmp_path / "both.pem"
+    both.write_bytes((certs / "a.pem").read_bytes() + (certs / "a.key").read_bytes())
+    both.chmod(0o644)
+    with pytest.raises(TlsConfigError, match=r"both\.pem: the private key has mode 0644"):
+        server_context(ca_dir / "ca.pem", both, None)
+    both.chmod(0o600)
+    server_context(ca_dir / "ca.pem", both, None)
+    client_context(ca_dir / "ca.pem", both)
 
 
 def test_certificate_from_another_ca_is_a_config_error(ca_dir: Path, tmp_path: Path) -> None:
@@ -266,7 +333,9 @@ def _signed_by_ca(
     cert = builder.sign(ca_key, hashes.SHA256())  # type: ignore[arg-type]
     if out is not None:
         out.with_suffix(".pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        out.with_suffix(".key").write_bytes(
+        key_path = out.with_suffix(".key")
+        key_path.touch(mode=KEY_MODE)  # private before it holds the key, as the node requires
+        key_path.write_bytes(
             key.private_bytes(
                 serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
             )
