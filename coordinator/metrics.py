@@ -40,6 +40,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from replicator.coordinator.admin_access import REASONS as ADMIN_REFUSALS
 from replicator.coordinator.view import MetricsView
 from replicator.shared import config as config_module
 from replicator.shared import memory
@@ -68,6 +69,8 @@ SAMPLED_EVENTS = (
     "registry_row_refused",
     "foreign_origin_refused",
     "commit_retry",
+    "admin_request_refused",
+    "admin_connection_refused",
 )
 # The caps a refused connection names (workers.listener); their counters start at 0 so a rate exists.
 CONNECTION_LIMITS = ("max_connections", "max_connections_per_client", "max_handshakes")
@@ -149,6 +152,15 @@ ROUND_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
         ("peer", "database"),
     ),
 }
+# Counters of the coordinator's admin port (coordinator.admin_access, coordinator.admin_site); every reason at 0
+# from the start.
+ADMIN_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "replicator_admin_refused_total": (
+        "Admin requests refused (a Host or Origin that is not the admin port, no or a wrong admin token, a state"
+        " change that is not JSON) and admin connections refused over listen.admin_max_connections",
+        ("reason",),
+    ),
+}
 # The series each wanted peer, each wanted (peer, database) pair and each held database shows from the start, at 0,
 # so that rate() works before the first event.
 PEER_COUNTERS = (
@@ -193,7 +205,7 @@ class Metrics:
         # without names they are still asked when a scrape selects families with `?name[]=`.
         self.registry = CollectorRegistry(auto_describe=True, support_collectors_without_names=True)
         registry = self.registry
-        self._counters = _FedCounters({**FED_COUNTERS, **ROUND_COUNTERS}, self._zero_counters)
+        self._counters = _FedCounters({**FED_COUNTERS, **ROUND_COUNTERS, **ADMIN_COUNTERS}, self._zero_counters)
         registry.register(self._counters)
         self._histograms = _FedHistograms(self._zero_histograms)
         registry.register(self._histograms)
@@ -209,6 +221,8 @@ class Metrics:
             self._counters.keep("replicator_log_events_suppressed_total", (event,))
         for limit in CONNECTION_LIMITS:
             self._counters.keep("replicator_connections_refused_total", (limit,))
+        for reason in ADMIN_REFUSALS:
+            self._counters.keep("replicator_admin_refused_total", (reason,))
         registry.register(_StateCollector(node))
         # The coordinator's own process: process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds...
         ProcessCollector(registry=registry)
@@ -218,6 +232,9 @@ class Metrics:
 
     def suppressed(self, event: str, count: int) -> None:
         self._counters.inc("replicator_log_events_suppressed_total", (event,), count)
+
+    def admin_refused(self, reason: str) -> None:
+        self._counters.inc("replicator_admin_refused_total", (reason,), 1.0)
 
     def antientropy_round(self, peer: str, database: str, *, repaired: int, failed: bool) -> None:
         name = "replicator_antientropy_failures_total" if failed else "replicator_antientropy_rounds_total"
