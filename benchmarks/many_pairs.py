@@ -247,7 +247,7 @@ async def idle_cpu(nodes: dict[str, dict[str, psutil.Process]], seconds: float) 
 
 async def applied_total(cluster: Any, name: str, peer: str) -> float:
     """The node's replicator_records_applied_total from `peer`, summed over databases."""
-    async with cluster.http.get(cluster[name].admin_url + "/metrics") as response:
+    async with cluster.http.get(cluster[name].admin_url + "/metrics", headers=cluster[name].admin_headers) as response:
         text = await response.text()
     total = 0.0
     for line in text.splitlines():

@@ -14,25 +14,31 @@ POST /repair/blobs/{database} [?timeout=SECONDS]   fetch again from peers every 
     "failed": [{"table", "id", "hash", "reason"}]}, 500 with "error" when it stopped early
 DELETE /databases/{name}   delete a database cluster-wide (shared.dropped): {"name", "version"}, the version being
     the deletion floor; 400 for a bad name or `system`, 404 when neither this node nor the registry knows it
+
+Every request passes `coordinator.admin_access` first (its Host, its Origin, the admin token, JSON for a request
+that changes state), and every connection `coordinator.admin_site` (the connection cap, the request timeout).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
 from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
 
+from replicator.coordinator.admin_access import MAX_CONNECTIONS, AdminAccess
+from replicator.coordinator.admin_site import CappedSite
 from replicator.coordinator.blob_repairs import NoWorker, WorkerExited
 from replicator.coordinator.drops import NotHeld
 from replicator.coordinator.filecheck import WriteProbe
 from replicator.coordinator.view import AdminView
 from replicator.shared import config as config_module
 from replicator.shared import membership, memory, revocation
-from replicator.shared.config import DATABASE_PATTERN_RE, NAME_RE
+from replicator.shared.config import DATABASE_PATTERN_RE, NAME_RE, ListenSection
 from replicator.shared.keys import normalize_url
 from replicator.shared.logs import capture_library_logs, log
 from replicator.shared.store import SYSTEM, BadName, NodeRow, RefusedFile, UnknownDatabase
@@ -40,6 +46,9 @@ from replicator.shared.tls import TlsConfigError, ca_certificates, certificates_
 
 _json = msgspec.json.Encoder()
 MAX_WAIT = 3600.0  # the longest `?timeout=` a run-now request may ask for
+MAX_BODY = 1024 * 1024  # an introduction or a revocation is a few KB
+AUTHORIZED = web.RequestKey("authorized", bool)  # whether the request carried the admin token (or none is set)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _reply(payload: Any, status: int = 200) -> web.Response:
@@ -71,15 +80,22 @@ class NodeUpdate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     revoked: list[str] | None = None
 
 
+class BodyTimeout(Exception):
+    """A request body that did not arrive within listen.request_timeout."""
+
+
 class AdminServer:
     def __init__(self, node: AdminView) -> None:
         self._node = node
         self._runner: web.AppRunner | None = None
         self._write_probe: WriteProbe | None = None  # made with the store: can it still write? (/readyz)
+        # The rules for the address the port was bound to; the token and the allowed hosts follow a reload.
+        self._access: tuple[ListenSection, AdminAccess] | None = None
+        self._bound = (node.config.listen.admin_host, node.config.listen.admin_port)
         # prometheus-client's own handler: the text format or OpenMetrics as the scraper's Accept asks, gzip when
         # its Accept-Encoding allows, `?name[]=` to select families.
         self._exposition = make_aiohttp_handler(node.metrics.registry)
-        app = web.Application()
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[self._guard])
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
@@ -101,10 +117,92 @@ class AdminServer:
         # aiohttp's and asyncio's own messages become single JSON lines: no traceback in the log.
         capture_library_logs(log, "aiohttp", "asyncio")
         listen = self._node.config.listen
-        self._runner = web.AppRunner(self._app, access_log=None, handle_signals=False)
+        self._bound = (listen.admin_host, listen.admin_port)
+        # aiohttp's keep-alive timer runs from the moment a connection is made: a client that has not sent a whole
+        # request head within request_timeout of connecting (or of its last answer) is dropped (slowloris). A body
+        # is read within the same timeout (`_body`); one left unread after an answer is waited for as long.
+        self._runner = web.AppRunner(
+            self._app,
+            access_log=None,
+            handle_signals=False,
+            keepalive_timeout=listen.request_timeout,
+            lingering_time=listen.request_timeout,
+        )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, listen.admin_host, listen.admin_port, reuse_address=True)
+        site = CappedSite(
+            self._runner,
+            listen.admin_host,
+            listen.admin_port,
+            listen.admin_max_connections,
+            on_refused=lambda: self._node.metrics.admin_refused(MAX_CONNECTIONS),
+        )
         await site.start()
+
+    def access(self) -> AdminAccess:
+        """The rules for the bound address, with the current config's token and allowed hosts."""
+        listen = self._node.config.listen
+        if self._access is None or self._access[0] is not listen:
+            host, port = self._bound
+            self._access = (listen, AdminAccess(host, port, listen.admin_allowed_hosts, listen.admin_token))
+        return self._access[1]
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Refuse what `coordinator.admin_access` refuses, before any handler runs; a refusal is counted and logged."""
+        access = self.access()
+        hosts = request.headers.getall("Host", [])
+        origins = request.headers.getall("Origin", [])
+        authorization = request.headers.get("Authorization")
+        refusal = access.refusal(
+            request.method,
+            request.path,
+            hosts[0] if len(hosts) == 1 else None,
+            origins[0] if len(origins) == 1 else (None if not origins else ""),  # several: refused
+            authorization,
+            request.headers.get("Content-Type"),
+        )
+        if refusal is not None:
+            self._node.metrics.admin_refused(refusal.reason)
+            peer = request.transport.get_extra_info("peername") if request.transport is not None else None
+            log.warning(
+                "admin_request_refused",
+                reason=refusal.reason,
+                status=refusal.status,
+                method=request.method[:16],
+                path=request.path[:200],
+                client=str(peer[0]) if isinstance(peer, tuple) and peer else "",
+                sample_by=("reason",),
+            )
+            response = _error(refusal.status, refusal.message)
+            if refusal.status == 401:
+                response.headers["WWW-Authenticate"] = 'Bearer realm="replicator admin"'
+            return response
+        # Past the rules, only an open path may have come without the token.
+        open_path = access.open_without_token(request.method, request.path)
+        request[AUTHORIZED] = not open_path or access.token_refusal(authorization) is None
+        try:
+            return await handler(request)
+        except BodyTimeout:
+            response = _error(408, "the request body did not arrive within listen.request_timeout")
+            response.force_close()
+            return response
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            # aiohttp's own refusals (404, 405, 413) answer JSON too.
+            response = _error(exc.status, exc.text or exc.reason)
+            for name in ("Allow", "Retry-After"):
+                if name in exc.headers:
+                    response.headers[name] = exc.headers[name]
+            return response
+
+    async def _body(self, request: web.Request) -> bytes:
+        """The request's body, which must arrive within listen.request_timeout (BodyTimeout otherwise)."""
+        try:
+            async with asyncio.timeout(self._node.config.listen.request_timeout):
+                return await request.read()
+        except TimeoutError:
+            raise BodyTimeout from None
 
     async def close(self) -> None:
         if self._runner is not None:
@@ -116,7 +214,10 @@ class AdminServer:
         return await self._exposition(request)
 
     async def healthz(self, request: web.Request) -> web.Response:
-        return _reply({"status": "ok", "node": self._node.name})
+        # Answered without the token: then it says nothing but that the loop runs.
+        if request.get(AUTHORIZED):
+            return _reply({"status": "ok", "node": self._node.name})
+        return _reply({"status": "ok"})
 
     async def readyz(self, request: web.Request) -> web.Response:
         supervisor = self._node.supervisor
@@ -180,7 +281,7 @@ class AdminServer:
                 " replication.mesh): change the config and reload",
             )
         try:
-            update = msgspec.json.decode(await request.read(), type=NodeUpdate)
+            update = msgspec.json.decode(await self._body(request), type=NodeUpdate)
         except msgspec.ValidationError as exc:
             return _error(400, f"bad node: {exc}")
         except msgspec.DecodeError as exc:
@@ -228,7 +329,7 @@ class AdminServer:
         config = self._node.config
         try:
             ca = revocation.load_ca_certs(config_module.resolve_path(config, config.tls.ca))
-            found = revocation.parse(await request.read(), ca)
+            found = revocation.parse(await self._body(request), ca)
         except revocation.BadRevocation as exc:
             return _error(400, str(exc))
         except (OSError, ValueError) as exc:

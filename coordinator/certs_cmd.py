@@ -20,12 +20,13 @@ from urllib.parse import urlsplit
 import aiohttp
 import msgspec
 
+from replicator.coordinator.admin_client import admin_headers
 from replicator.coordinator.reachability import WILDCARD, listen_host_for, unreachable_from_peers
 from replicator.shared.config import NAME_RE, ConfigError, from_mapping, load, resolve_path
 from replicator.shared.keys import normalize_url
 from replicator.shared.tls import TlsConfigError, ca_paths, create_ca, host_san, issue_node_cert, server_context
 
-CONFIG_MODE = 0o600  # the config holds the data API token
+CONFIG_MODE = 0o600  # the config holds the data API token and the admin token
 _MAX_WORKERS = 256
 
 
@@ -76,8 +77,9 @@ def cmd_certs_node(ca: str, name: str, hosts: list[str], out: str) -> int:
     return 0
 
 
-def cmd_certs_revoke(ca: str, name: str, serial: str, out: str | None, admin: str | None) -> int:
-    """Sign a revocation with the CA key; print it or write it to `out`, and store it through `admin` if given."""
+def cmd_certs_revoke(ca: str, name: str, serial: str, out: str | None, admin: str | None, token: str = "") -> int:
+    """Sign a revocation with the CA key; print it or write it to `out`, and store it through `admin` if given (with
+    the admin `token`)."""
     from replicator.shared import revocation
 
     try:
@@ -97,19 +99,19 @@ def cmd_certs_revoke(ca: str, name: str, serial: str, out: str | None, admin: st
         print(document.decode())
     if admin:
         url = f"{admin.rstrip('/')}/nodes/{name}/revocations"
-        problem = asyncio.run(_put(url, document))
+        problem = asyncio.run(_put(url, document, token))
         if problem:
             return _fail("certs revoke", problem, 1)
         print(f"stored at {admin}: every node ends the sessions of {signed.describe()}")
     return 0
 
 
-async def _put(url: str, body: bytes) -> str | None:
-    """PUT `body` to `url`; None when it answered 200, else what went wrong."""
+async def _put(url: str, body: bytes, token: str = "") -> str | None:
+    """PUT the JSON `body` to `url`; None when it answered 200, else what went wrong."""
     try:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as http,
-            http.put(url, data=body) as response,
+            http.put(url, data=body, headers=admin_headers(token, change=True)) as response,
         ):
             text = await response.text()
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
@@ -183,6 +185,7 @@ def cmd_init(
         key=key_path.name,
         peers=peer_list,
         token=secrets.token_urlsafe(32),
+        admin_token=secrets.token_urlsafe(32),
     )
     # Validate with the loader before writing anything, so a rejected config leaves no files behind.
     try:
@@ -235,7 +238,10 @@ def cmd_init(
             "machine can reach this node; give --host with the URL's address, or leave --host out",
             file=sys.stderr,
         )
-    print(f"wrote config {config_path} (mode 0600: it holds the data API token, [data] token)")
+    print(
+        f"wrote config {config_path} (mode 0600: it holds the data API token, [data] token, and the admin token,"
+        " [listen] admin_token)"
+    )
     print(f"start the node with: replicator run --config {config_path}")
     return 0
 
@@ -322,6 +328,7 @@ def _render(
     key: str,
     peers: list[_Peer],
     token: str,
+    admin_token: str,
 ) -> str:
     lines = [
         "# Written by `replicator init`. Relative paths are resolved against this file's folder.",
@@ -337,6 +344,7 @@ def _render(
         f"port = {port}",
         _commented('admin_host = "127.0.0.1"', "plain HTTP: keep it off public interfaces"),
         f"admin_port = {admin_port}",
+        f"admin_token = {_toml_str(admin_token)}  # the CLI and Prometheus send Authorization: Bearer <admin_token>",
         "",
         "[tls]",
         f"ca = {_toml_str(ca)}",

@@ -15,6 +15,7 @@ import textwrap
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
+from replicator.coordinator.admin_client import ADMIN_TOKEN_ENV
 from replicator.shared.config import Config, ConfigError, load
 from replicator.shared.logs import bridge_logging, log
 
@@ -91,6 +92,18 @@ def _complete(action: argparse.Action, kind: dict[str, str]) -> None:
     action.complete = kind  # type: ignore[attr-defined]  # read by shtab
 
 
+def _token_config(parser: argparse.ArgumentParser) -> None:
+    """--config on a command that calls an admin port: where its admin token comes from."""
+    _complete(
+        parser.add_argument(
+            "--config",
+            help="a node's config file: send its listen.admin_token as the admin token "
+            f"(${ADMIN_TOKEN_ENV}, when set, is sent instead)",
+        ),
+        FILE,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     admins = admin_urls()
     admin_help = f"(default: the first URL in ${ADMIN_ENV} when set)"
@@ -108,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
             "\n"
             "environment:\n"
             f"  {ADMIN_ENV}             the default of every --admin option (verify: a comma-separated list)\n"
+            f"  {ADMIN_TOKEN_ENV}       the admin token every command that calls an admin port sends (else\n"
+            "                               listen.admin_token of --config)\n"
             "  REPLICATOR_<SECTION>_<KEY>   overrides a config key, e.g. REPLICATOR_NODE_WORKERS=4\n"
             "\n" + EXIT_CODES
         ),
@@ -220,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also store it through this node's admin URL (PUT /nodes/NAME/revocations) "
         f"(default: the first URL in ${ADMIN_ENV} when set, else only print it)",
     )
+    _token_config(revoke)
 
     init = commands.add_parser(
         "init",
@@ -275,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="exit 1 when a pair is not connected or a worker is not ready, naming each on stderr; exit 0 otherwise",
     )
+    _token_config(status)
 
     verify = commands.add_parser(
         "verify",
@@ -300,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help='print one JSON object: {"identical", "nodes", "databases", "differences"} (and "repairs" with --repair)',
     )
+    _token_config(verify)
 
     delete_database = commands.add_parser(
         "delete-database",
@@ -317,8 +335,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     delete_database.add_argument("name", help="the database to delete")
     delete_database.add_argument(
-        "--token", default="", help="sent as Authorization: Bearer TOKEN (an admin port behind an authenticating proxy)"
+        "--token",
+        default="",
+        help=f"the admin token to send as Authorization: Bearer TOKEN (instead of ${ADMIN_TOKEN_ENV} or --config)",
     )
+    _token_config(delete_database)
 
     clone = commands.add_parser(
         "clone",
@@ -365,6 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     repair_blobs.add_argument("database", help="the database to repair")
     repair_blobs.add_argument("--json", action="store_true", help="print the node's JSON answer")
     repair_blobs.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the repair to finish")
+    _token_config(repair_blobs)
 
     completion = commands.add_parser(
         "completion",
@@ -399,7 +421,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.certs_command == "ca":
                 return certs_cmd.cmd_certs_ca(args.out)
             if args.certs_command == "revoke":
-                return certs_cmd.cmd_certs_revoke(args.ca, args.name, args.serial, args.out, args.admin)
+                token = _admin_token(args) if args.admin else ""
+                if token is None:
+                    return EXIT_USAGE
+                return certs_cmd.cmd_certs_revoke(args.ca, args.name, args.serial, args.out, args.admin, token)
             return certs_cmd.cmd_certs_node(args.ca, args.name, args.host, args.out)
         case "init":
             from replicator.coordinator import certs_cmd
@@ -419,20 +444,28 @@ def main(argv: list[str] | None = None) -> int:
         case "status":
             from replicator.coordinator.inspect import cmd_status
 
-            return _asyncio_run(cmd_status(args.admin, args.json, check=args.check))
+            if (token := _admin_token(args)) is None:
+                return EXIT_USAGE
+            return _asyncio_run(cmd_status(args.admin, args.json, check=args.check, token=token))
         case "verify":
             from replicator.coordinator.inspect import cmd_verify
 
             admins = args.admin or admin_urls()
-            return _asyncio_run(cmd_verify(admins, repair=args.repair, as_json=args.json))
+            if (token := _admin_token(args)) is None:
+                return EXIT_USAGE
+            return _asyncio_run(cmd_verify(admins, repair=args.repair, as_json=args.json, token=token))
         case "delete-database":
             from replicator.coordinator.delete_database import cmd_delete_database
 
-            return _asyncio_run(cmd_delete_database(args.admin, args.name, args.token))
+            if (token := args.token or _admin_token(args)) is None:
+                return EXIT_USAGE
+            return _asyncio_run(cmd_delete_database(args.admin, args.name, token))
         case "repair-blobs":
             from replicator.coordinator.repair_blobs import cmd_repair_blobs
 
-            return _asyncio_run(cmd_repair_blobs(args.admin, args.database, args.json, args.timeout))
+            if (token := _admin_token(args)) is None:
+                return EXIT_USAGE
+            return _asyncio_run(cmd_repair_blobs(args.admin, args.database, args.json, args.timeout, token))
         case "clone":
             from replicator.coordinator.clone import cmd_clone
 
@@ -448,6 +481,18 @@ def main(argv: list[str] | None = None) -> int:
             print(shtab.complete(parser, args.shell))
             return 0
     return EXIT_USAGE
+
+
+def _admin_token(args: argparse.Namespace) -> str | None:
+    """The admin token a command sends (coordinator.admin_client); None, with the reason printed, when its --config
+    does not load."""
+    from replicator.coordinator.admin_client import admin_token
+
+    try:
+        return admin_token(args.config)
+    except ConfigError as exc:
+        print(f"replicator {args.command}: --config: {exc}", file=sys.stderr)
+        return None
 
 
 def _run(args: argparse.Namespace) -> int:

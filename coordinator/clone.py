@@ -5,6 +5,8 @@ introduction of a new node all live on the admin port. The steps, each failure o
 
     preflight  the config loads (2); node.data_dir is empty or absent (2); this node's certificate and key load, were
                issued by tls.ca and name node.name (3); the node and admin ports are free (3)
+    token      every request carries the leader's admin token: REPLICATOR_ADMIN_TOKEN, else this node's own
+               listen.admin_token (a cluster that shares one); a 401 -> 1, naming the variable
     readiness  GET /readyz until it answers 200, on the readiness schedule: unreachable or never ready -> 1
     trust      GET /ca and GET /nodes, each on the fetch schedule: the leader's CA must be in tls.ca and must have
                issued this node's certificate, the two halves of mutual TLS -> else 3
@@ -24,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+import os
 import random
 import socket
 import sys
@@ -37,6 +40,7 @@ from urllib.parse import quote, urlsplit
 import aiohttp
 from cryptography import x509
 
+from replicator.coordinator.admin_client import ADMIN_TOKEN_ENV, admin_headers
 from replicator.coordinator.recovery import Phase
 from replicator.shared.backoff import Backoff, Jitter
 from replicator.shared.config import (
@@ -265,6 +269,12 @@ class Leader:
         raise self._unexpected(what, answer)
 
     def _unexpected(self, what: str, answer: Answer) -> CloneError:
+        if answer.status == 401:
+            return CloneError(
+                f"the leader refused {what} without its admin token ({answer.reason()}): set {ADMIN_TOKEN_ENV} to"
+                " the leader's listen.admin_token",
+                EXIT_FAILURE,
+            )
         return CloneError(
             f"the leader answered {what} with {answer.reason()}: is {self.url} the admin URL of a replicator node"
             " (listen.admin_port) of this version?",
@@ -291,16 +301,17 @@ class Leader:
 
 
 class HttpRequest:
-    """The `Request` the command uses: aiohttp, one session, a timeout per request."""
+    """The `Request` the command uses: aiohttp, one session, a timeout per request, the leader's admin `token`."""
 
-    def __init__(self, timeout: float = REQUEST_TIMEOUT) -> None:
+    def __init__(self, timeout: float = REQUEST_TIMEOUT, token: str = "") -> None:
         self._timeout = timeout
+        self._token = token
         self._session: aiohttp.ClientSession | None = None
 
     async def __call__(self, method: str, url: str, body: bytes | None) -> Answer:
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self._timeout))
-        headers = {"Content-Type": "application/json"} if body is not None else None
+        headers = admin_headers(self._token, change=method != "GET")
         try:
             async with self._session.request(method, url, data=body, headers=headers) as response:
                 return Answer(response.status, await response.read())
@@ -617,7 +628,8 @@ async def _clone(leader_url: str, config_path: str, no_run: bool, template: Work
     local = check_local_tls(config)
     check_ports(config)
 
-    http = HttpRequest()
+    # The leader's token: REPLICATOR_ADMIN_TOKEN, else this node's own (a cluster that shares one admin token).
+    http = HttpRequest(token=os.environ.get(ADMIN_TOKEN_ENV, "").strip() or config.listen.admin_token)
     leader = Leader(url, http, say=_say)
     try:
         attempts = await leader.wait_ready()

@@ -13,6 +13,7 @@ from urllib.parse import quote
 
 import aiohttp
 
+from replicator.coordinator.admin_client import admin_headers
 from replicator.shared.config import NAME_RE
 from replicator.shared.store import SYSTEM
 
@@ -27,7 +28,7 @@ async def cmd_delete_database(admin: str, name: str, token: str = "") -> int:
     if name == SYSTEM:
         return _fail("the system database holds the registry and cannot be deleted", EXIT_USAGE)
     url = f"{admin.rstrip('/')}/databases/{quote(name)}"
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    headers = admin_headers(token, change=True)
     try:
         async with (
             aiohttp.ClientSession(timeout=TIMEOUT) as http,

@@ -133,7 +133,7 @@ async def _metrics_sample(cluster: LocalCluster, name: str) -> tuple[int, list[s
         "replicator_worker_restarts_total",
         "replicator_workers_ready",
     )
-    async with cluster.http.get(cluster[name].admin_url + "/metrics") as response:
+    async with cluster.http.get(cluster[name].admin_url + "/metrics", headers=cluster[name].admin_headers) as response:
         text = await response.text()
     lines = [line for line in text.splitlines() if line.startswith(wanted)]
     return response.status, lines

@@ -9,33 +9,43 @@ from typing import Any
 
 import aiohttp
 
+from replicator.coordinator.admin_client import admin_headers
+
 TIMEOUT = aiohttp.ClientTimeout(total=15)
 # `verify --repair` waits for every round of a node; the node bounds that wait itself (its round timeout).
 REPAIR_TIMEOUT = aiohttp.ClientTimeout(total=3700, sock_connect=15)
 
 
-async def _get(http: aiohttp.ClientSession, url: str) -> tuple[int, Any]:
-    async with http.get(url) as response:
+async def _get(http: aiohttp.ClientSession, url: str, token: str = "") -> tuple[int, Any]:
+    async with http.get(url, headers=admin_headers(token)) as response:
         return response.status, await response.json(content_type=None)
 
 
-async def _post(http: aiohttp.ClientSession, url: str, timeout: aiohttp.ClientTimeout) -> tuple[int, Any]:
-    async with http.post(url, timeout=timeout) as response:
+async def _post(
+    http: aiohttp.ClientSession, url: str, timeout: aiohttp.ClientTimeout, token: str = ""
+) -> tuple[int, Any]:
+    async with http.post(url, timeout=timeout, headers=admin_headers(token, change=True)) as response:
         return response.status, await response.json(content_type=None)
 
 
-async def cmd_status(admin: str, as_json: bool, check: bool = False) -> int:
+def _refused(body: Any) -> str:
+    """The node's reason for an answer that is not 200, when it gave one."""
+    reason = body.get("error") if isinstance(body, dict) else None
+    return f": {reason}" if reason else ""
+
+
+async def cmd_status(admin: str, as_json: bool, check: bool = False, token: str = "") -> int:
     """Print the node's status; with `check`, a one-line summary instead of the table, and exit 1 with one line
     per problem on stderr when a pair is down or a worker is not ready."""
     admin = admin.rstrip("/")
     try:
         async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
-            status, body = await _get(http, admin + "/status")
+            status, body = await _get(http, admin + "/status", token)
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
         print(f"replicator status: cannot reach {admin}: {exc}", file=sys.stderr)
         return 1
     if status != 200:
-        print(f"replicator status: {admin}/status answered {status}", file=sys.stderr)
+        print(f"replicator status: {admin}/status answered {status}{_refused(body)}", file=sys.stderr)
         return 1
     if as_json:
         print(json.dumps(body, indent=2))
@@ -204,7 +214,7 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(out)
 
 
-async def cmd_verify(admins: list[str], *, repair: bool = False, as_json: bool = False) -> int:
+async def cmd_verify(admins: list[str], *, repair: bool = False, as_json: bool = False, token: str = "") -> int:
     """Compare every database's digest across the nodes; with `repair`, run anti-entropy on each node first."""
     admins = [a.rstrip("/") for a in admins]
     if len(admins) < 2:
@@ -217,25 +227,25 @@ async def cmd_verify(admins: list[str], *, repair: bool = False, as_json: bool =
         async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
             databases: set[str] = set()
             for admin in admins:
-                status, body = await _get(http, admin + "/status")
+                status, body = await _get(http, admin + "/status", token)
                 if status != 200:
-                    return _verify_failed(f"{admin}/status answered {status}", list(names.values()), as_json)
+                    message = f"{admin}/status answered {status}{_refused(body)}"
+                    return _verify_failed(message, list(names.values()), as_json)
                 names[admin] = body["node"]
                 databases.update(body.get("holds", []))
             if repair:
                 # One node after the other: each pulls what its peers hold newer, so by the last one every
                 # node has had its turn against every connected peer.
                 for admin in admins:
-                    status, body = await _post(http, admin + "/antientropy", REPAIR_TIMEOUT)
+                    status, body = await _post(http, admin + "/antientropy", REPAIR_TIMEOUT, token)
                     if status != 200:
-                        reason = body.get("error") if isinstance(body, dict) else None
-                        message = f"{admin}/antientropy answered {status}" + (f": {reason}" if reason else "")
+                        message = f"{admin}/antientropy answered {status}{_refused(body)}"
                         return _verify_failed(message, list(names.values()), as_json)
                     repairs[names[admin]] = list(body.get("rounds", []))
             for database in sorted(databases):
                 digests[database] = {}
                 for admin in admins:
-                    status, body = await _get(http, f"{admin}/digest/{database}")
+                    status, body = await _get(http, f"{admin}/digest/{database}", token)
                     digests[database][names[admin]] = body["tables"] if status == 200 else None
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
         return _verify_failed(str(exc) or type(exc).__name__, list(names.values()), as_json)

@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import re
+import secrets
 import signal
 import socket
 import subprocess
@@ -152,10 +153,23 @@ class LocalNode:
     def admin_url(self) -> str:
         return f"http://{HOST}:{self.admin_port}"
 
+    @property
+    def admin_token(self) -> str:
+        """The node's listen.admin_token: the cluster's, unless a test set its own in `extra`."""
+        return str(self.extra.get("listen", {}).get("admin_token", self.cluster.admin_token))
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        """What every request to the node's admin port carries: its admin token."""
+        return {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
+
     def write_config(self) -> None:
+        listen = {"host": HOST, "port": self.port, "admin_host": HOST, "admin_port": self.admin_port}
+        if self.cluster.admin_token:
+            listen["admin_token"] = self.cluster.admin_token
         sections: dict[str, dict[str, Any]] = {
             "node": {"name": self.name, "url": self.url, "data_dir": "data", "workers": self.cluster.workers},
-            "listen": {"host": HOST, "port": self.port, "admin_host": HOST, "admin_port": self.admin_port},
+            "listen": listen,
             "tls": {"ca": "../ca/ca.pem", "cert": f"{self.name}.pem", "key": f"{self.name}.key"},
             "data": {"token": self.cluster.token},
             "replication": dict(self.cluster.replication),
@@ -263,15 +277,19 @@ class LocalCluster:
         topology: str | dict[str, list[str]] = "mesh",
         replication: dict[str, Any] | None = None,
         token: str = "",
+        admin_token: str | None = None,
         env: dict[str, dict[str, str]] | None = None,
         proxied: Iterable[tuple[str, str]] = (),
         proxy_factory: Callable[[int], LinkEnd] | None = None,
     ) -> None:
-        """`env`: extra environment per node name. `proxied`: node pairs whose link runs through proxies made by
-        `proxy_factory(target_port)`, opened by `prepare()` and closed by `stop()`."""
+        """`token`: every node's data.token. `admin_token`: every node's listen.admin_token, a random one by default,
+        "" for none; `admin()` and `admin_request()` send it. `env`: extra environment per node name. `proxied`: node
+        pairs whose link runs through proxies made by `proxy_factory(target_port)`, opened by `prepare()` and closed
+        by `stop()`."""
         self.dir = Path(directory)
         self.workers = workers
         self.token = token
+        self.admin_token = secrets.token_urlsafe(24) if admin_token is None else admin_token
         self.replication: dict[str, Any] = {"shutdown_timeout": 10.0, **(replication or {})}
         ports = free_ports(2 * len(names))
         self.nodes: dict[str, LocalNode] = {
@@ -392,14 +410,25 @@ class LocalCluster:
         if self._http is not None:
             await self._http.close()
 
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        """The cluster's admin token as a request header (for a test that talks to an admin port itself)."""
+        return {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
+
     async def admin(self, name: str, path: str) -> tuple[int, Any]:
-        async with self.http.get(self.nodes[name].admin_url + path) as response:
+        node = self.nodes[name]
+        async with self.http.get(node.admin_url + path, headers=node.admin_headers) as response:
             return response.status, await response.json(content_type=None)
 
     async def admin_request(self, name: str, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        url = self.nodes[name].admin_url + path
+        """A request to the node's admin port with its token; one that changes state says it is JSON, as the node
+        requires of them, with a body or without."""
+        node = self.nodes[name]
         data = None if body is None else json.dumps(body)
-        async with self.http.request(method, url, data=data) as response:
+        headers = dict(node.admin_headers)
+        if method.upper() != "GET":
+            headers["Content-Type"] = "application/json"
+        async with self.http.request(method, node.admin_url + path, data=data, headers=headers) as response:
             return response.status, await response.json(content_type=None)
 
     async def data(self, name: str, method: str, path: str, body: Any = None) -> tuple[int, Any]:

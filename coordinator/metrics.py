@@ -42,6 +42,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from replicator.coordinator.admin_access import REASONS as ADMIN_REFUSALS
 from replicator.coordinator.view import MetricsView
 from replicator.shared import config as config_module
 from replicator.shared import memory
@@ -70,6 +71,8 @@ SAMPLED_EVENTS = (
     "registry_row_refused",
     "foreign_origin_refused",
     "commit_retry",
+    "admin_request_refused",
+    "admin_connection_refused",
 )
 # The caps a refused connection names (workers.listener); their counters start at 0 so a rate exists.
 CONNECTION_LIMITS = ("max_connections", "max_connections_per_client", "max_handshakes")
@@ -146,6 +149,15 @@ ROUND_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
         ("peer", "database"),
     ),
 }
+# Counters of the coordinator's admin port (coordinator.admin_access, coordinator.admin_site); every reason at 0
+# from the start.
+ADMIN_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "replicator_admin_refused_total": (
+        "Admin requests refused (a Host or Origin that is not the admin port, no or a wrong admin token, a state"
+        " change that is not JSON) and admin connections refused over listen.admin_max_connections",
+        ("reason",),
+    ),
+}
 
 
 class Known(enum.Enum):
@@ -181,6 +193,7 @@ ZERO_SERIES: dict[str, Known | tuple[str, ...]] = {
     "replicator_blobs_missing_total": Known.DATABASES,
     "replicator_log_events_suppressed_total": SAMPLED_EVENTS,
     "replicator_connections_refused_total": CONNECTION_LIMITS,
+    "replicator_admin_refused_total": ADMIN_REFUSALS,
 }
 
 Series = dict[str, set[tuple[str, ...]]]  # metric name -> label values of the series shown at 0 when not counted yet
@@ -190,7 +203,7 @@ def _zero_layouts() -> dict[str, tuple[int, ...]]:
     """For each counter of ZERO_SERIES shown for the node's state, where each of its labels sits in the `Known`
     values (a pair counter may put `database` first); a counter whose labels do not fit its entry is an error here,
     at import, not a scrape that fails later."""
-    specs = {**FED_COUNTERS, **ROUND_COUNTERS}
+    specs = {**FED_COUNTERS, **ROUND_COUNTERS, **ADMIN_COUNTERS}
     layouts: dict[str, tuple[int, ...]] = {}
     for name, source in ZERO_SERIES.items():
         if name not in specs:
@@ -239,7 +252,7 @@ class Metrics:
         # without names they are still asked when a scrape selects families with `?name[]=`.
         self.registry = CollectorRegistry(auto_describe=True, support_collectors_without_names=True)
         registry = self.registry
-        self._counters = _FedCounters({**FED_COUNTERS, **ROUND_COUNTERS}, self._zero_counters)
+        self._counters = _FedCounters({**FED_COUNTERS, **ROUND_COUNTERS, **ADMIN_COUNTERS}, self._zero_counters)
         registry.register(self._counters)
         self._histograms = _FedHistograms(self._zero_histograms)
         registry.register(self._histograms)
@@ -260,6 +273,9 @@ class Metrics:
 
     def suppressed(self, event: str, count: int) -> None:
         self._counters.inc("replicator_log_events_suppressed_total", (event,), count)
+
+    def admin_refused(self, reason: str) -> None:
+        self._counters.inc("replicator_admin_refused_total", (reason,), 1.0)
 
     def antientropy_round(self, peer: str, database: str, *, repaired: int, failed: bool) -> None:
         name = "replicator_antientropy_failures_total" if failed else "replicator_antientropy_rounds_total"

@@ -14,6 +14,7 @@ from urllib.parse import quote
 
 import aiohttp
 
+from replicator.coordinator.admin_client import admin_headers
 from replicator.shared.config import NAME_RE
 
 EXIT_FAILED = 1
@@ -21,7 +22,9 @@ EXIT_USAGE = 2
 DEFAULT_TIMEOUT = 3600.0
 
 
-async def cmd_repair_blobs(admin: str, database: str, as_json: bool = False, timeout: float = DEFAULT_TIMEOUT) -> int:
+async def cmd_repair_blobs(
+    admin: str, database: str, as_json: bool = False, timeout: float = DEFAULT_TIMEOUT, token: str = ""
+) -> int:
     if not NAME_RE.fullmatch(database):
         return _fail(f"bad database name {database[:80]!r}: use 1 to 64 of A-Z a-z 0-9 _ -", EXIT_USAGE)
     if not 0 < timeout <= DEFAULT_TIMEOUT:
@@ -30,7 +33,7 @@ async def cmd_repair_blobs(admin: str, database: str, as_json: bool = False, tim
     try:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout + 30)) as http,
-            http.post(url) as response,
+            http.post(url, headers=admin_headers(token, change=True)) as response,
         ):
             status = response.status
             text = await response.text()

@@ -75,6 +75,8 @@ class RendersMetrics(Protocol):
 
     def render(self) -> bytes: ...
 
+    def admin_refused(self, reason: str) -> None: ...
+
 
 class CountsAntiEntropy(Protocol):
     """The counters anti-entropy feeds from the coordinator."""

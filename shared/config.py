@@ -30,6 +30,8 @@ ENV_PREFIX = "REPLICATOR_"
 NOT_CONFIG_VARIABLES = frozenset(
     {
         "REPLICATOR_ADMIN",  # the CLI's default admin URL (status, verify, ...)
+        # The admin token the CLI sends; the node's own is listen.admin_token (REPLICATOR_LISTEN_ADMIN_TOKEN).
+        "REPLICATOR_ADMIN_TOKEN",
         "REPLICATOR_STRESS",  # tests: run the long chaos and soak runs
         "REPLICATOR_STRESS_SECONDS",  # tests: how long they run
         "REPLICATOR_CHAOS_SEED",  # tests: replay a chaos run
@@ -56,6 +58,14 @@ class ListenSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     port: int = 9925
     admin_host: str = "127.0.0.1"
     admin_port: int = 9926
+    # Every admin request but GET /healthz must carry `Authorization: Bearer <admin_token>` when it is set; required
+    # when admin_host is not loopback (coordinator.admin_access).
+    admin_token: str = ""
+    # Host names, besides admin_host, that admin requests may name in their Host (and Origin) header, on any port: a
+    # DNS name the admin port is reached by, or a reverse proxy's. Any other name is refused (DNS rebinding).
+    admin_allowed_hosts: list[str] = msgspec.field(default_factory=list)
+    # Open admin connections; past it a new one is answered 503 and closed at once.
+    admin_max_connections: int = 64
     # A client that has not sent a whole request head this long after connecting (or after its last answer) is
     # dropped, and so is one whose TLS handshake or request body takes longer: slow clients cannot pile up.
     request_timeout: float = 10.0
@@ -353,8 +363,7 @@ def _check(config: Config, source: str) -> None:
         least = f"{MIN_REDIAL_RATE:g} dials per second"
         fail("replication.redial_rate", f"must be 0 (no budget) or at least {least}, got {rep.redial_rate!r}")
     for host, address in rep.hosts.items():
-        labels = host[:-1].split(".") if host.endswith(".") else host.split(".")
-        if len(host) > 254 or not all(re.match(r"^[A-Za-z0-9_-]{1,63}\Z", label) for label in labels):
+        if not _is_dns_name(host):
             fail("replication.hosts", f"{host[:80]!r} is not a host name")
         try:
             ipaddress.ip_address(address)
@@ -384,7 +393,7 @@ TOKEN_RE = re.compile(r"[\x21-\x7e]{1,1024}")
 
 
 def _check_exposure(config: Config, fail: Any) -> None:
-    """What the node port lets clients do: the token, the connection and request limits."""
+    """What the node and admin ports let clients do: the tokens, the connection and request limits."""
     listen, data = config.listen, config.data
     timeout = listen.request_timeout
     if not (math.isfinite(timeout) and 0 < timeout <= 3600):
@@ -393,6 +402,7 @@ def _check_exposure(config: Config, fail: Any) -> None:
         ("listen.max_connections", listen.max_connections),
         ("listen.max_connections_per_client", listen.max_connections_per_client),
         ("listen.max_handshakes", listen.max_handshakes),
+        ("listen.admin_max_connections", listen.admin_max_connections),
         ("data.max_databases", data.max_databases),
     ):
         if not 1 <= value <= 1_000_000:
@@ -405,11 +415,41 @@ def _check_exposure(config: Config, fail: Any) -> None:
             f"is empty while the node port listens on {listen.host or 'every interface'!r}: any client there could "
             "write and create databases; set data.token (`replicator init` writes one) or listen on 127.0.0.1",
         )
+    if listen.admin_token and not TOKEN_RE.fullmatch(listen.admin_token):
+        fail(
+            "listen.admin_token",
+            "must be 1 to 1024 visible ASCII characters, no spaces (it is sent in an HTTP header)",
+        )
+    if not listen.admin_token and not is_loopback(listen.admin_host):
+        fail(
+            "listen.admin_token",
+            f"is empty while the admin port listens on {listen.admin_host or 'every interface'!r}: anyone who reaches "
+            "it could delete databases and introduce nodes; set listen.admin_token (`replicator init` writes one) or "
+            "set listen.admin_host to 127.0.0.1",
+        )
+    for index, name in enumerate(listen.admin_allowed_hosts):
+        if not _is_host_name(name.strip("[]")):
+            fail(f"listen.admin_allowed_hosts[{index}]", f"{name[:80]!r} is not a host name or address (no port)")
+
+
+def _is_dns_name(host: str) -> bool:
+    """Letters, digits, '_' and '-' between dots, 63 at most between two, 254 in all (a trailing dot allowed)."""
+    labels = host[:-1].split(".") if host.endswith(".") else host.split(".")
+    return len(host) <= 254 and all(re.match(r"^[A-Za-z0-9_-]{1,63}\Z", label) for label in labels)
+
+
+def _is_host_name(host: str) -> bool:
+    """A DNS name or an IP address, as a Host header may name it."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return _is_dns_name(host)
+    return True
 
 
 # The keys that hold a secret. A config file that sets one warns when every user of the host may read it
-# (`readable_secrets`); a new secret key (listen.admin_token) is added here.
-SECRET_KEYS = ("data.token",)
+# (`readable_secrets`); a new secret key is added here.
+SECRET_KEYS = ("data.token", "listen.admin_token")
 # Readable by every user of the host. Group-readable is fine: the units install the file root:replicator 0640.
 WORLD_READABLE = stat.S_IROTH
 

@@ -40,7 +40,7 @@ def _sql(path: Path, *statements: str) -> None:
 
 async def _metric(cluster: LocalCluster, name: str, metric: str, **labels: str) -> float:
     """The sum of a metric's samples on one node whose labels include `labels`."""
-    async with cluster.http.get(cluster[name].admin_url + "/metrics") as response:
+    async with cluster.http.get(cluster[name].admin_url + "/metrics", headers=cluster[name].admin_headers) as response:
         text = await response.text()
     total = 0.0
     for line in text.splitlines():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -159,9 +160,11 @@ async def test_a_restart_of_the_receiver_or_of_the_sender_mid_transfer_resumes(m
         await cluster.close()
 
 
-def _repair_blobs(*args: str) -> subprocess.CompletedProcess[str]:
+def _repair_blobs(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
+    """`replicator repair-blobs ARGS`, sending the cluster's admin token from REPLICATOR_ADMIN_TOKEN."""
     return subprocess.run(
         [sys.executable, "-m", "replicator.coordinator.cli", "repair-blobs", *args],
+        env={**os.environ, "REPLICATOR_ADMIN_TOKEN": cluster.admin_token},
         capture_output=True,
         text=True,
         timeout=60,
@@ -193,7 +196,7 @@ async def test_a_lost_blob_file_is_a_503_until_repair_blobs_fetches_it_again(mak
         # The digests compare references: the data is the same, only the files are missing.
         await assert_identical(cluster, [DB])
 
-        done = _repair_blobs("--admin", cluster["b"].admin_url, DB, "--json")
+        done = _repair_blobs(cluster, "--admin", cluster["b"].admin_url, DB, "--json")
         assert done.returncode == 0, done.stderr
         report = json.loads(done.stdout)
         assert (report["scanned"], report["missing"], report["repaired"], report["failed"]) == (2, 2, 2, [])
@@ -209,7 +212,7 @@ async def test_a_lost_blob_file_is_a_503_until_repair_blobs_fetches_it_again(mak
         assert (status, body) == (200, {"database": DB, "scanned": 2, "missing": 0, "repaired": 0, "failed": []})
         assert (await cluster.admin_request("b", "POST", "/repair/blobs/nosuch"))[0] == 404
         assert (await cluster.admin_request("b", "POST", f"/repair/blobs/{DB}?timeout=0"))[0] == 400
-        refused = _repair_blobs("--admin", cluster["b"].admin_url, "bad.name")
+        refused = _repair_blobs(cluster, "--admin", cluster["b"].admin_url, "bad.name")
         assert refused.returncode == 2 and "bad database name" in refused.stderr
         for name in ("a", "b"):
             assert_log_is_json(cluster[name])
@@ -248,14 +251,14 @@ async def test_a_blob_missing_at_its_source_is_logged_and_the_stream_goes_on(mak
             )
 
         async def counted() -> bool:
-            async with cluster.http.get(cluster["b"].admin_url + "/metrics") as response:
+            async with cluster.http.get(cluster["b"].admin_url + "/metrics", headers=cluster.admin_headers) as response:
                 text = await response.text()
             found = re.search(rf'^replicator_blobs_missing_total{{database="{DB}"}} (\S+)$', text, re.MULTILINE)
             return found is not None and float(found.group(1)) >= 1
 
         await wait_for(counted, 60, "replicator_blobs_missing_total counting the missing blob on b")
         # No node holds it: the repair says so, names the record, and fails.
-        done = _repair_blobs("--admin", cluster["b"].admin_url, DB)
+        done = _repair_blobs(cluster, "--admin", cluster["b"].admin_url, DB)
         assert done.returncode == 1 and "t/lost" in done.stdout and "does not hold it" in done.stdout, done.stdout
         for name in ("a", "b"):
             assert_log_is_json(cluster[name])

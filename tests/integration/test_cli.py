@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import tomllib
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -167,7 +168,7 @@ def test_init_then_run_serves_until_sigterm(node_config: Path) -> None:
         text=True,
     )
     try:
-        _wait_answering(process, admin_port, "/readyz")
+        _wait_answering(process, admin_port, "/readyz", _admin_token(node_config))
         errors = _terminate(process)
         assert process.returncode == 0
         assert "node_stopped" in errors
@@ -268,13 +269,14 @@ async def _pairs_with(cluster: LocalCluster, name: str, peer: str) -> list[dict]
 async def test_status_check_and_verify_json_for_scripts(make_cluster: Callable[..., LocalCluster]) -> None:
     cluster = make_cluster(["a", "b"], workers=1)
     a, b = cluster["a"].admin_url, cluster["b"].admin_url
+    token = {"REPLICATOR_ADMIN_TOKEN": cluster.admin_token}
     try:
         cluster["a"].start()
         await cluster.wait_ready(["a"])
         await wait_for(lambda: _pairs_with(cluster, "a", "b"), 30, "a's pairs with b in /status")
 
         # b is configured but not started: its pairs are down, and the admin URL comes from REPLICATOR_ADMIN.
-        result = await asyncio.to_thread(replicator, "status", "--check", env={"REPLICATOR_ADMIN": a})
+        result = await asyncio.to_thread(replicator, "status", "--check", env={"REPLICATOR_ADMIN": a, **token})
         assert result.returncode == 1, result.stdout + result.stderr
         assert "replicator status: pair b/system is not connected" in result.stderr
         assert result.stdout.startswith("FAILED: node a, workers ready 1/1")
@@ -282,12 +284,12 @@ async def test_status_check_and_verify_json_for_scripts(make_cluster: Callable[.
         cluster["b"].start()
         await cluster.wait_ready()
         await cluster.wait_connected()
-        result = await asyncio.to_thread(replicator, "status", "--check", "--admin", a)
+        result = await asyncio.to_thread(replicator, "status", "--check", "--admin", a, env=token)
         assert result.returncode == 0, result.stdout + result.stderr
         assert result.stderr == ""
         assert result.stdout.startswith("ok: node a, workers ready 1/1, pairs connected")
 
-        result = await asyncio.to_thread(replicator, "verify", "--json", env={"REPLICATOR_ADMIN": f"{a},{b}"})
+        result = await asyncio.to_thread(replicator, "verify", "--json", env={"REPLICATOR_ADMIN": f"{a},{b}", **token})
         assert result.returncode == 0, result.stdout + result.stderr
         document = json.loads(result.stdout)
         assert document["identical"] is True and document["nodes"] == ["a", "b"] and document["differences"] == []
@@ -295,11 +297,11 @@ async def test_status_check_and_verify_json_for_scripts(make_cluster: Callable[.
 
         # A node that cannot be reached: exit 1, and still one JSON object naming the error.
         await asyncio.to_thread(cluster["b"].stop)
-        result = await asyncio.to_thread(replicator, "verify", "--json", "--admin", a, "--admin", b)
+        result = await asyncio.to_thread(replicator, "verify", "--json", "--admin", a, "--admin", b, env=token)
         assert result.returncode == 1
         document = json.loads(result.stdout)
         assert document["identical"] is False and document["error"]
-        result = await asyncio.to_thread(replicator, "status", "--check", "--admin", b)
+        result = await asyncio.to_thread(replicator, "status", "--check", "--admin", b, env=token)
         assert result.returncode == 1 and "cannot reach" in result.stderr
     finally:
         await cluster.close()
@@ -320,12 +322,24 @@ def _terminate(process: subprocess.Popen[str]) -> str:
     return errors
 
 
-def _wait_answering(process: subprocess.Popen[str], admin_port: int, path: str, timeout: float = 60.0) -> None:
-    """Poll the node's admin `path` until it answers 200; fail if the node exits first or the deadline passes."""
+def _admin_token(config: Path) -> str:
+    """The listen.admin_token `replicator init` wrote into the file."""
+    token = tomllib.loads(config.read_text())["listen"]["admin_token"]
+    assert isinstance(token, str) and len(token) >= 32, token
+    return token
+
+
+def _wait_answering(
+    process: subprocess.Popen[str], admin_port: int, path: str, token: str = "", timeout: float = 60.0
+) -> None:
+    """Poll the node's admin `path` (with the admin `token`) until it answers 200; fail if the node exits first or
+    the deadline passes."""
     deadline = time.monotonic() + timeout
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     while True:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}{path}", timeout=2) as response:
+            request = urllib.request.Request(f"http://127.0.0.1:{admin_port}{path}", headers=headers)
+            with urllib.request.urlopen(request, timeout=2) as response:
                 if response.status == 200:
                     return
         except OSError:

@@ -118,7 +118,7 @@ async def test_a_clone_copies_every_database_and_then_runs_as_a_normal_node(
         assert status == 200
         assert {row["name"]: row["source"] for row in nodes}["c"] == "introduced by a", nodes
         # What the clone checked its CA against: the cluster CA, certificates only.
-        async with cluster.http.get(cluster["a"].admin_url + "/ca") as response:
+        async with cluster.http.get(cluster["a"].admin_url + "/ca", headers=cluster["a"].admin_headers) as response:
             assert response.status == 200
             served = await response.read()
         assert ca_certificates(cluster.dir / "ca") == parse_certificates(served, "a/ca")
@@ -254,7 +254,8 @@ async def test_a_leader_that_refuses_the_certificate_exits_1_naming_the_refusal(
     try:
         await cluster.wait_ready(["a"])
         revoke = replicator(
-            "certs", "revoke", "--ca", str(cluster.dir / "ca"), "--name", "c", "--admin", cluster["a"].admin_url
+            *("certs", "revoke", "--ca", str(cluster.dir / "ca"), "--name", "c", "--admin", cluster["a"].admin_url),
+            *("--config", str(cluster["a"].config_path)),
         )
         assert revoke.returncode == 0, revoke.stderr
         result = run_clone(cluster["a"].admin_url, cluster["c"].config_path, timeout=120)

@@ -119,7 +119,7 @@ def _delete_database(*args: str) -> subprocess.CompletedProcess[str]:
 async def test_delete_database_command_and_refusals(make_cluster) -> None:  # type: ignore[no-untyped-def]
     cluster = make_cluster(["a", "b"], workers=1, replication=dict(FAST))
     cluster.start()
-    admin = cluster["a"].admin_url
+    admin, config = cluster["a"].admin_url, str(cluster["a"].config_path)
     try:
         await cluster.wait_ready()
         cases = [
@@ -134,7 +134,7 @@ async def test_delete_database_command_and_refusals(make_cluster) -> None:  # ty
 
         await write_many(cluster, "b", "oops", "t", ["x", "y"], 1)
         await cluster.wait_converged("oops", expect_count=2)
-        done = await asyncio.to_thread(_delete_database, "--admin", admin, "oops")
+        done = await asyncio.to_thread(_delete_database, "--admin", admin, "oops", "--config", config)
         assert done.returncode == 0, done.stderr
         assert "deleted database oops" in done.stdout
         await wait_for(lambda: _all_removed(cluster, "oops", ["a", "b"]), 60, "oops removed from a and b")
@@ -149,7 +149,8 @@ async def test_delete_database_command_and_refusals(make_cluster) -> None:  # ty
         assert status == 200 and body["floors"]["a"] == z["version"] > first.get("a", 0), (body, first)
         await wait_for(lambda: _all_removed(cluster, "oops", ["a", "b"]), 60, "oops removed again")
 
-        refused = await asyncio.to_thread(_delete_database, "--admin", admin, "never_made")
+        token = ("--token", cluster.admin_token)  # the admin token, given on the command line this time
+        refused = await asyncio.to_thread(_delete_database, "--admin", admin, "never_made", *token)
         assert refused.returncode == 1 and "404" in refused.stderr and "no database 'never_made'" in refused.stderr
         for usage in (["--admin", admin, "system"], ["--admin", admin, "bad.name"], ["oops"]):
             result = await asyncio.to_thread(_delete_database, *usage)

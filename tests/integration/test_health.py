@@ -46,7 +46,7 @@ async def worker_pids(cluster: LocalCluster, name: str) -> dict[int, int]:
 
 
 async def metric(cluster: LocalCluster, name: str, series: str) -> float:
-    async with cluster.http.get(cluster[name].admin_url + "/metrics") as response:
+    async with cluster.http.get(cluster[name].admin_url + "/metrics", headers=cluster[name].admin_headers) as response:
         text = await response.text()
     values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(series + " ")]
     assert len(values) == 1, (series, values)

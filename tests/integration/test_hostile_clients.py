@@ -98,7 +98,7 @@ async def worker_pid(cluster: LocalCluster, name: str = "a") -> int:
 
 
 async def metric(cluster: LocalCluster, series: str, name: str = "a") -> float:
-    async with cluster.http.get(cluster[name].admin_url + "/metrics") as response:
+    async with cluster.http.get(cluster[name].admin_url + "/metrics", headers=cluster[name].admin_headers) as response:
         text = await response.text()
     for line in text.splitlines():
         if line.startswith(series + " "):

@@ -104,7 +104,8 @@ async def test_journal_lines_carry_their_priority_and_one_type_per_field(make_cl
 
         # aiohttp's own complaint about a request (a control character in a header) is bridged: one JSON event.
         reader, writer = await asyncio.open_connection(HOST, cluster["a"].admin_port)
-        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Bad: \x01\r\n\r\n")
+        host = f"{HOST}:{cluster['a'].admin_port}".encode()
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: " + host + b"\r\nX-Bad: \x01\r\n\r\n")
         await writer.drain()
         answer = await asyncio.wait_for(reader.read(), 10)
         writer.close()

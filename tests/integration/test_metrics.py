@@ -19,7 +19,7 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 async def scrape(cluster: LocalCluster, name: str) -> Samples:
-    async with cluster.http.get(cluster[name].admin_url + "/metrics") as response:
+    async with cluster.http.get(cluster[name].admin_url + "/metrics", headers=cluster[name].admin_headers) as response:
         assert response.status == 200
         text = await response.text()
     samples: Samples = {}
@@ -148,22 +148,22 @@ async def test_the_exposition_negotiates_format_and_compression(make_cluster: An
     cluster.start()
     try:
         await cluster.wait_ready()
-        url = cluster["a"].admin_url + "/metrics"
-        async with cluster.http.get(url) as response:
+        url, auth = cluster["a"].admin_url + "/metrics", cluster.admin_headers
+        async with cluster.http.get(url, headers=auth) as response:
             assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
             assert "replicator_workers_ready 1.0" in await response.text()
         openmetrics = {"Accept": "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"}
-        async with cluster.http.get(url, headers=openmetrics) as response:
+        async with cluster.http.get(url, headers={**auth, **openmetrics}) as response:
             assert response.headers["Content-Type"].startswith("application/openmetrics-text; version=1.0.0")
             text = await response.text()
             assert text.endswith("# EOF\n") and "# TYPE replicator_worker_restarts counter" in text
-        async with cluster.http.get(url, headers={"Accept-Encoding": "gzip"}) as response:
+        async with cluster.http.get(url, headers={**auth, "Accept-Encoding": "gzip"}) as response:
             assert response.headers["Content-Encoding"] == "gzip"
             assert "replicator_workers_ready 1.0" in await response.text()  # the client inflates it
-        async with cluster.http.get(url, headers={"Accept-Encoding": "identity"}) as response:
+        async with cluster.http.get(url, headers={**auth, "Accept-Encoding": "identity"}) as response:
             assert "Content-Encoding" not in response.headers
         name = {"name[]": "replicator_workers_ready"}
-        async with cluster.http.get(url, params=name) as response:
+        async with cluster.http.get(url, params=name, headers=auth) as response:
             families = [f.name for f in text_string_to_metric_families(await response.text())]
             assert families == ["replicator_workers_ready"]
     finally:

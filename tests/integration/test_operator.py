@@ -53,7 +53,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 async def scrape(cluster: LocalCluster, name: str) -> dict[tuple[str, tuple], float]:
-    async with cluster.http.get(cluster[name].admin_url + "/metrics") as response:
+    async with cluster.http.get(cluster[name].admin_url + "/metrics", headers=cluster[name].admin_headers) as response:
         assert response.status == 200
         text = await response.text()
     samples = {}
@@ -179,15 +179,16 @@ async def test_status_and_verify_against_a_running_cluster(make_cluster) -> None
         await cluster.wait_converged("inventory", timeout=30, expect_count=50)
         await cluster.wait_connected(databases=["inventory"])
 
-        table = await asyncio.to_thread(_cli, "status", "--admin", cluster["a"].admin_url)
+        token = ("--config", str(cluster["a"].config_path))  # the CLI sends its listen.admin_token
+        table = await asyncio.to_thread(_cli, "status", "--admin", cluster["a"].admin_url, *token)
         assert table.returncode == 0, table.stderr
         assert "pairs connected 2/2" in table.stdout
         assert "inventory" in table.stdout and "system" in table.stdout
-        as_json = await asyncio.to_thread(_cli, "status", "--admin", cluster["a"].admin_url, "--json")
+        as_json = await asyncio.to_thread(_cli, "status", "--admin", cluster["a"].admin_url, "--json", *token)
         document = json.loads(as_json.stdout)
         assert document["node"] == "a" and document["connections"][0]["peer"] == "b"
 
-        admins = ["--admin", cluster["a"].admin_url, "--admin", cluster["b"].admin_url]
+        admins = ["--admin", cluster["a"].admin_url, "--admin", cluster["b"].admin_url, *token]
         same = await asyncio.to_thread(_cli, "verify", *admins)
         assert same.returncode == 0 and "identical" in same.stdout, same.stdout + same.stderr
 

@@ -114,7 +114,11 @@ EXPORTED: dict[str, frozenset[str]] = {
     "replicator_worker_open_fds": frozenset({"worker"}),
     "replicator_worker_resident_bytes": frozenset({"worker"}),
     "replicator_certificate_expiry_timestamp_seconds": frozenset({"certificate"}),
+    # Issue 21: admin requests and connections refused (Host, Origin, token, type, the connection cap).
+    "replicator_admin_refused_total": frozenset({"reason"}),
 }
+# Where ops/prometheus.yml reads the admin token it scrapes with.
+ADMIN_TOKEN_FILE = "/etc/prometheus/replicator-admin-token"
 # Labels Prometheus attaches to every series of a target (prometheus.yml gives each target its `node`).
 TARGET_LABELS = frozenset({"job", "instance", "node"})
 PROMETHEUS_SERIES = {"up": frozenset()}
@@ -460,12 +464,19 @@ def alert_rules() -> list[dict[str, str]]:
     return rules((OPS / "alerts.yml").read_text())
 
 
-def test_promtool_checks_the_rules_and_the_scrape_config() -> None:
+def test_promtool_checks_the_rules_and_the_scrape_config(tmp_path: Path) -> None:
     promtool = tool("promtool", "prometheus")
     result = run(promtool, "check", "rules", OPS / "alerts.yml")
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"SUCCESS: {len(alert_rules())} rules found" in result.stdout
-    result = run(promtool, "check", "config", OPS / "prometheus.yml")
+    # promtool checks that the token file exists: a copy of the config whose file does, beside its rules.
+    text = (OPS / "prometheus.yml").read_text()
+    assert text.count(f"credentials_file: {ADMIN_TOKEN_FILE}") == 1, "the scrape sends no admin token"
+    token = tmp_path / "replicator-admin-token"
+    token.write_text("t0ken\n")
+    shutil.copy(OPS / "alerts.yml", tmp_path / "alerts.yml")
+    (tmp_path / "prometheus.yml").write_text(text.replace(ADMIN_TOKEN_FILE, str(token)))
+    result = run(promtool, "check", "config", tmp_path / "prometheus.yml")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS: 1 rule files found" in result.stdout
 
@@ -643,7 +654,7 @@ async def test_promtool_checks_a_live_scrape(make_cluster: Any) -> None:
         await cluster.wait_converged("m", timeout=30, expect_count=1)
 
         async def scraped() -> str | None:
-            async with cluster.http.get(cluster["b"].admin_url + "/metrics") as response:
+            async with cluster.http.get(cluster["b"].admin_url + "/metrics", headers=cluster.admin_headers) as response:
                 text = await response.text()
             # Once the batch from a is counted, the worker-fed series have samples too.
             return text if COUNTED.search(text) else None
@@ -735,6 +746,9 @@ def test_prometheus_config_scrapes_every_node_with_its_name() -> None:
     text = (OPS / "prometheus.yml").read_text()
     assert re.search(r"^rule_files:\s*\n\s*- alerts\.yml$", text, re.MULTILINE)
     assert "metrics_path: /metrics" in text
+    # /metrics needs the admin token: the job sends it as a bearer token.
+    stanza = rf"^    authorization:\n      type: Bearer\n      credentials_file: {ADMIN_TOKEN_FILE}$"
+    assert re.search(stanza, text, re.MULTILINE)
     targets = re.findall(r'- targets: \["([^"]+)"\]\s*\n\s*labels:\s*\n\s*node: (\w+)', text)
     assert len(targets) >= 2 and "127.0.0.1:9926" in {t for t, _ in targets}, targets
     assert len({node for _, node in targets}) == len(targets)

@@ -55,7 +55,8 @@ async def test_a_revoked_certificate_loses_every_session_and_stays_out(make_clus
         revoked_at = time.monotonic()
         revoked_wall = time.time()
         done = _cli(
-            "certs", "revoke", "--ca", str(cluster.dir / "ca"), "--name", "c", "--admin", cluster["a"].admin_url
+            *("certs", "revoke", "--ca", str(cluster.dir / "ca"), "--name", "c", "--admin", cluster["a"].admin_url),
+            *("--config", str(cluster["a"].config_path)),
         )
         assert done.returncode == 0, done.stderr
 

@@ -51,7 +51,8 @@ async def test_node_400_days_ahead_completes_tls_with_its_peer(make_cluster) -> 
 
         async def scraped() -> tuple[float, float] | None:
             # Worker counters reach the coordinator with the next heartbeat.
-            async with aiohttp.ClientSession() as http, http.get(f"{cluster['a'].admin_url}/metrics") as response:
+            url, auth = f"{cluster['a'].admin_url}/metrics", cluster.admin_headers
+            async with aiohttp.ClientSession() as http, http.get(url, headers=auth) as response:
                 metrics = await response.text()
             refusals = re.search(r'^replicator_clock_skew_refusals_total\{peer="b"\} (\S+)$', metrics, re.M)
             offset = re.search(r'^replicator_peer_clock_offset_seconds\{peer="b"\} (\S+)$', metrics, re.M)

@@ -83,7 +83,8 @@ async def test_a_peer_ahead_that_sends_nothing_is_found_stalled_and_renewed(pair
         await wait_for(lambda: sum(1 for node, _ in peer.dials if node == "a") >= 2, 60, "a to dial mallet again")
 
         async def counted() -> float | None:
-            async with aiohttp.ClientSession() as http, http.get(f"{cluster['a'].admin_url}/metrics") as response:
+            url, auth = f"{cluster['a'].admin_url}/metrics", cluster.admin_headers
+            async with aiohttp.ClientSession() as http, http.get(url, headers=auth) as response:
                 text = await response.text()
             for line in text.splitlines():
                 if line.startswith('replicator_pair_stalls_total{peer="mallet"}'):

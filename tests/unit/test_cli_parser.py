@@ -27,6 +27,7 @@ def _parsers(
 @pytest.fixture(autouse=True)
 def _no_admin_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(cli.ADMIN_ENV, raising=False)
+    monkeypatch.delenv(cli.ADMIN_TOKEN_ENV, raising=False)
 
 
 def test_version_prints_the_installed_version_and_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
@@ -99,12 +100,12 @@ def test_without_replicator_admin_the_admin_options_are_required(capsys: pytest.
 def test_main_passes_replicator_admin_to_verify_and_status(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[str, Any]] = []
 
-    async def fake_verify(admins: list[str], *, repair: bool = False, as_json: bool = False) -> int:
-        calls.append(("verify", (admins, repair, as_json)))
+    async def fake_verify(admins: list[str], *, repair: bool = False, as_json: bool = False, token: str = "") -> int:
+        calls.append(("verify", (admins, repair, as_json, token)))
         return 0
 
-    async def fake_status(admin: str, as_json: bool, check: bool = False) -> int:
-        calls.append(("status", (admin, as_json, check)))
+    async def fake_status(admin: str, as_json: bool, check: bool = False, token: str = "") -> int:
+        calls.append(("status", (admin, as_json, check, token)))
         return 1
 
     monkeypatch.setattr(inspect, "cmd_verify", fake_verify)
@@ -114,10 +115,13 @@ def test_main_passes_replicator_admin_to_verify_and_status(monkeypatch: pytest.M
     assert cli.main(["verify", "--json"]) == 0
     assert cli.main(["verify", "--admin", "http://c:3", "--admin", "http://d:4"]) == 0
     assert cli.main(["status", "--check"]) == 1
+    monkeypatch.setenv(cli.ADMIN_TOKEN_ENV, "t0ken")  # the admin token they send
+    assert cli.main(["status"]) == 1
     assert calls == [
-        ("verify", (["http://a:1", "http://b:2"], False, True)),
-        ("verify", (["http://c:3", "http://d:4"], False, False)),
-        ("status", ("http://a:1", False, True)),
+        ("verify", (["http://a:1", "http://b:2"], False, True, "")),
+        ("verify", (["http://c:3", "http://d:4"], False, False, "")),
+        ("status", ("http://a:1", False, True, "")),
+        ("status", ("http://a:1", False, False, "t0ken")),
     ]
 
 
