@@ -108,12 +108,13 @@ def test_a_token_every_user_can_read_is_a_warning_not_an_error(node_config: Path
     assert result.returncode == 0
     assert result.stdout.startswith(f"{node_config}: OK (node a, ")
     assert result.stderr == (
-        f"replicator: warning: {node_config}: holds data.token and is readable by every user of this host (mode 0644);"
+        f"replicator: warning: {node_config}: holds data.token, listen.admin_token and is readable by every user"
+        " of this host (mode 0644);"
         f" chmod 600 {node_config} (or 640 with the node's group)\n"
     )
     document = json.loads(replicator("check-config", "--config", str(node_config), "--json").stdout)
     assert document["ok"] is True and len(document["warnings"]) == 1
-    assert document["warnings"][0].startswith(f"{node_config}: holds data.token and is readable by every user")
+    assert document["warnings"][0].startswith(f"{node_config}: holds data.token, listen.admin_token and is")
 
     node_config.chmod(0o640)  # group-readable: how the units install it
     result = replicator("check-config", "--config", str(node_config), "--json")

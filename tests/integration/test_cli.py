@@ -193,7 +193,9 @@ def test_a_config_with_a_token_others_can_read_warns_at_boot(node_config: Path) 
         text=True,
     )
     try:
-        _wait_answering(process, admin_port, "/readyz")  # a warning, not a refusal: the node runs
+        _wait_answering(
+            process, admin_port, "/readyz", _admin_token(node_config)
+        )  # a warning, not a refusal: the node runs
         errors = _terminate(process)
     finally:
         if process.poll() is None:
@@ -207,7 +209,7 @@ def test_a_config_with_a_token_others_can_read_warns_at_boot(node_config: Path) 
     assert (warnings[0]["path"], warnings[0]["mode"], warnings[0]["keys"]) == (
         str(node_config.resolve()),
         "0644",
-        ["data.token"],
+        ["data.token", "listen.admin_token"],  # `init` writes both
     )
     token = next(line for line in node_config.read_text().splitlines() if line.startswith("token ="))
     assert token.split('"')[1] not in errors  # the warning names the key, never the secret
