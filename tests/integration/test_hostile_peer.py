@@ -25,7 +25,7 @@ from replicator.coordinator.local_cluster import LocalCluster, free_ports
 from replicator.shared import membership, wire
 from replicator.shared.store import NodeRow
 from replicator.shared.tls import client_context, issue_node_cert, server_context
-from tests.integration.conftest import FAST, assert_log_is_json, wait_for
+from tests.integration.conftest import FAST, assert_log_is_json, equal_jitter_floor, wait_for
 
 
 async def _register(cluster: LocalCluster, name: str, url: str, replicates: bool) -> None:
@@ -234,6 +234,58 @@ async def test_a_peer_that_fails_after_the_handshake_is_not_redialled_twice_a_se
         await cluster.wait_converged("after_mute", ["a", "b"], timeout=30, expect_count=1)
     finally:
         await peer.close()
+    assert_log_is_json(cluster["a"])
+
+
+async def test_a_peer_refused_for_clock_skew_is_redialled_on_a_growing_schedule(
+    make_cluster: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    """mallet's clock is right, and so is the first batch of each session, which a applies; the second carries a
+    version a day ahead, which a refuses. The refusal does not start the pair's schedule over: with equal jitter every
+    delay is at least half its attempt's ceiling, so each one shows the growth (at the floor, every one was 0.5 s)."""
+    cluster = make_cluster(["a", "b"], workers=1, replication={**FAST, "reconnect_jitter": "equal"})
+    cluster.start()
+    await cluster.wait_ready()
+    issue_node_cert(cluster.dir / "ca", "mallet", ["127.0.0.1"], tmp_path / "mallet")
+    applied: list[int] = []  # by session, the acks a sent for the batch that was fine
+
+    async def ahead(ws: Any, subscribe: wire.Subscribe) -> None:
+        now = int(time.time() * 1_000_000)
+        await ws.send_bytes(wire.encode(wire.Schema(database=subscribe.database, epoch="x", head_seq=1)))
+        fine = wire.Entry("t", "fine", b"\xa2ok", now, "mallet")
+        await ws.send_bytes(wire.encode(wire.Batch(entries=[fine], marks={"mallet": now}, head_seq=1)))
+        while not isinstance(wire.decode((await ws.receive(timeout=10)).data), wire.Ack):
+            pass
+        applied.append(1)
+        day = now + 86_400 * 1_000_000
+        late = wire.Entry("t", "late", b"\xa2ok", day, "mallet")
+        await ws.send_bytes(wire.encode(wire.Batch(entries=[late], marks={"mallet": day}, head_seq=2)))
+        code, reason = await _closed(ws)
+        assert code == wire.CLOSE_POLICY and "ahead of our clock" in reason, (code, reason)
+
+    peer = FakePeer(cluster, tmp_path / "mallet", ahead)
+    await peer.start()
+    try:
+        await _register(cluster, "mallet", peer.url, replicates=True)
+
+        def refused_delays() -> list[float]:
+            return [
+                e["delay_s"]
+                for e in cluster["a"].events("reconnect_scheduled")
+                if e["peer"] == "mallet" and e["database"] == "system" and "ahead of our clock" in e["error"]
+            ]
+
+        delays = await wait_for(lambda: (d := refused_delays())[4:] and d, 90, "five refusals of mallet's batch")
+        assert all(delay >= equal_jitter_floor(n) for n, delay in enumerate(delays)), delays
+        assert len(applied) >= len(delays)  # every refused session had applied its first batch
+        assert (await cluster.data("a", "GET", "/data/system/t/fine"))[0] == 200
+        status, body = await cluster.data("a", "GET", "/data/system/t/late")
+        assert status == 404, body  # the version from the future was never applied
+        assert (await cluster.data("a", "PUT", "/data/after_skew/t/x", {"ok": 1}))[0] == 200
+        await cluster.wait_converged("after_skew", ["a", "b"], timeout=30, expect_count=1)
+    finally:
+        await peer.close()
+        await cluster.close()
     assert_log_is_json(cluster["a"])
 
 
