@@ -133,6 +133,11 @@ FED_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
         "Bytes of replication frames received from the peer, both ways of its sessions (WebSocket payloads)",
         ("peer",),
     ),
+    "replicator_frames_refused_total": (
+        "Replication frames from the peer refused as larger than replication.max_frame_bytes (the session closed"
+        " with 1009), both ways of its sessions",
+        ("peer",),
+    ),
 }
 # Counters fed by the coordinator's anti-entropy schedules (coordinator.antientropy), not by the workers.
 ROUND_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -156,6 +161,7 @@ PEER_COUNTERS = (
     "replicator_redials_deferred_total",
     "replicator_bytes_sent_total",
     "replicator_bytes_received_total",
+    "replicator_frames_refused_total",
 )
 PAIR_COUNTERS = ("replicator_records_applied_total", "replicator_records_sent_total")  # labels (database, peer)
 DATABASE_COUNTERS = ("replicator_checksum_failures_total", "replicator_blobs_missing_total")

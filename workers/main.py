@@ -34,7 +34,7 @@ from replicator.shared.notify import Doorbell
 from replicator.shared.prctl import PR_SET_PDEATHSIG, prctl
 from replicator.shared.store import Store
 from replicator.shared.tls import TlsConfigError, client_context, limit_read_buffers, server_context
-from replicator.workers import antientropy, blob_repair, blobs
+from replicator.workers import antientropy, blob_repair, blobs, frames
 from replicator.workers.admission import WorkerAdmission
 from replicator.workers.context import SYSTEM, WorkerContext
 from replicator.workers.counters import Counters
@@ -288,7 +288,9 @@ class Worker:
         # limit=0: every replication session holds its connection for as long as it runs, and all the pairs to
         # one peer share a worker, so aiohttp's default pool of 100 left every pair past the 100th waiting for a
         # connection that never freed (issue 7: 51 of 150 databases never reached the peer).
-        self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, resolver=resolver))
+        self._http = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, resolver=resolver), ws_response_class=frames.SubscriberSocket
+        )
 
     def _doorbell(self, directory: Path) -> Doorbell | None:
         """This worker's commit doorbell; without one, commits of the other processes reach its senders by the

@@ -171,9 +171,9 @@ class ReplicationServer:
         if isinstance(identity, web.Response):
             return identity
         identity_name = identity.name
-        ws = web.WebSocketResponse(
+        ws = frames.SenderSocket(
+            self._ctx.config.replication.max_frame_bytes,
             protocols=[wire.SUBPROTOCOL],
-            max_msg_size=self._ctx.config.replication.max_frame_bytes,
             # Longer than the subscriber's on purpose (workers.frames): while its pings arrive this end sends none.
             heartbeat=frames.SENDER_HEARTBEAT,
         )

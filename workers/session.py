@@ -347,14 +347,18 @@ class PeerSession:
 
     async def _dial(self) -> Any:
         url = self.sub.url.rstrip("/") + "/replication"
-        return await self._http.ws_connect(
+        limit = self._ctx.config.replication.max_frame_bytes
+        ws = await self._http.ws_connect(
             url,
             protocols=[wire.SUBPROTOCOL],
             ssl=self._ctx.client_ssl,
-            max_msg_size=self._ctx.config.replication.max_frame_bytes,
+            max_msg_size=frames.receive_limit(limit),
             heartbeat=frames.SUBSCRIBER_HEARTBEAT,  # a frozen peer misses its pong: the session ends within 11 s
             timeout=aiohttp.ClientWSTimeout(ws_close=5.0),
         )
+        if isinstance(ws, frames.SubscriberSocket):  # the worker's session makes them (workers.main)
+            ws.frame_limit = limit
+        return ws
 
     async def _dial_within(self, seconds: float) -> Any:
         async with asyncio.timeout(seconds):  # not wait_for: see workers.frames.receive
@@ -431,6 +435,7 @@ class PeerSession:
         await frames.send(
             ws,
             wire.Subscribe(database=self.database, progress=progress, exclude=self.sub.exclude, own_upto=own_upto),
+            hello.max_frame,
         )
         schema = await frames.expect(ws, wire.Schema, HANDSHAKE_TIMEOUT)
         self._check_schema(db, schema, progress)
@@ -464,7 +469,7 @@ class PeerSession:
         sending = asyncio.Lock()
         holds = None
         if "holds" in hello.capabilities:
-            holds = self._loop.create_task(self._send_holds(ws, db, dict(progress), sending))
+            holds = self._loop.create_task(self._send_holds(ws, db, dict(progress), sending, hello.max_frame))
         try:
             await self._receive(ws, db, session, sending)
         finally:
@@ -514,7 +519,7 @@ class PeerSession:
             self._token.refund()
             self._token = None
 
-    async def _send_holds(self, ws: Any, db: Any, sent: dict[str, int], sending: asyncio.Lock) -> None:
+    async def _send_holds(self, ws: Any, db: Any, sent: dict[str, int], sending: asyncio.Lock, limit: int) -> None:
         """Tell the sender what this node holds, when it changed, at most every HOLDS_INTERVAL: origins it gets over
         other links too, which the sender cannot see from its own acknowledged marks.
 
@@ -534,7 +539,7 @@ class PeerSession:
             progress = db.progress()
             if progress != sent:
                 async with sending:
-                    await frames.send(ws, wire.Holds(progress=progress))
+                    await frames.send(ws, wire.Holds(progress=progress), limit)
                 sent = progress
 
     async def _receive(self, ws: Any, db: Any, session: int, sending: asyncio.Lock) -> None:

@@ -111,6 +111,8 @@ EXPORTED: dict[str, frozenset[str]] = {
     "replicator_worker_open_fds": frozenset({"worker"}),
     "replicator_worker_resident_bytes": frozenset({"worker"}),
     "replicator_certificate_expiry_timestamp_seconds": frozenset({"certificate"}),
+    # Issue 21: frames refused as larger than replication.max_frame_bytes.
+    "replicator_frames_refused_total": frozenset({"peer"}),
 }
 # Labels Prometheus attaches to every series of a target (prometheus.yml gives each target its `node`).
 TARGET_LABELS = frozenset({"job", "instance", "node"})
