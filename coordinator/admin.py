@@ -33,6 +33,7 @@ from replicator.coordinator.view import AdminView
 from replicator.shared import config as config_module
 from replicator.shared import membership, memory, revocation
 from replicator.shared.config import DATABASE_PATTERN_RE, NAME_RE
+from replicator.shared.http_errors import JsonErrorRunner
 from replicator.shared.keys import normalize_url
 from replicator.shared.logs import capture_library_logs, log
 from replicator.shared.store import SYSTEM, BadName, NodeRow, UnknownDatabase
@@ -101,7 +102,8 @@ class AdminServer:
         # aiohttp's and asyncio's own messages become single JSON lines: no traceback in the log.
         capture_library_logs(log, "aiohttp", "asyncio")
         listen = self._node.config.listen
-        self._runner = web.AppRunner(self._app, access_log=None, handle_signals=False)
+        # Every error answer is JSON, those of aiohttp's parser and router included.
+        self._runner = JsonErrorRunner(self._app, access_log=None, handle_signals=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, listen.admin_host, listen.admin_port, reuse_address=True)
         await site.start()

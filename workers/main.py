@@ -27,6 +27,7 @@ import psutil
 
 from replicator.shared import config as config_module
 from replicator.shared import messages, revocation
+from replicator.shared.http_errors import error_text
 from replicator.shared.keys import pair_key
 from replicator.shared.logs import bridge_logging, log
 from replicator.shared.memory import Trimmer
@@ -579,8 +580,7 @@ def _https_transport(http: aiohttp.ClientSession, url: str, ctx: WorkerContext) 
                     chunks.append(chunk)
                 data = b"".join(chunks)
                 if response.status != 200:
-                    text = data[:200].decode("utf-8", "replace").strip()
-                    raise antientropy.PeerError(f"{endpoint} answered {response.status}: {text}")
+                    raise antientropy.PeerError(f"{endpoint} answered {response.status}: {error_text(data[:1024])}")
                 return data
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             raise antientropy.PeerError(f"{endpoint}: {exc or type(exc).__name__}") from None
