@@ -39,6 +39,7 @@ from replicator.coordinator.view import AdminView
 from replicator.shared import config as config_module
 from replicator.shared import membership, memory, revocation
 from replicator.shared.config import DATABASE_PATTERN_RE, NAME_RE, ListenSection
+from replicator.shared.http_errors import JsonErrorRunner
 from replicator.shared.keys import normalize_url
 from replicator.shared.logs import capture_library_logs, log
 from replicator.shared.store import SYSTEM, BadName, NodeRow, RefusedFile, UnknownDatabase
@@ -121,7 +122,8 @@ class AdminServer:
         # aiohttp's keep-alive timer runs from the moment a connection is made: a client that has not sent a whole
         # request head within request_timeout of connecting (or of its last answer) is dropped (slowloris). A body
         # is read within the same timeout (`_body`); one left unread after an answer is waited for as long.
-        self._runner = web.AppRunner(
+        # Every error answer is JSON, those of aiohttp's parser and router included (`shared.http_errors`).
+        self._runner = JsonErrorRunner(
             self._app,
             access_log=None,
             handle_signals=False,

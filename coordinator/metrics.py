@@ -133,6 +133,11 @@ FED_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
         "Bytes of replication frames received from the peer, both ways of its sessions (WebSocket payloads)",
         ("peer",),
     ),
+    "replicator_frames_refused_total": (
+        "Replication frames from the peer refused as larger than replication.max_frame_bytes (the session closed"
+        " with 1009), both ways of its sessions",
+        ("peer",),
+    ),
 }
 # Counters fed by the coordinator's anti-entropy schedules (coordinator.antientropy), not by the workers.
 ROUND_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -186,6 +191,7 @@ ZERO_SERIES: dict[str, Known | tuple[str, ...]] = {
     "replicator_redials_deferred_total": Known.PEERS,
     "replicator_bytes_sent_total": Known.PEERS,
     "replicator_bytes_received_total": Known.PEERS,
+    "replicator_frames_refused_total": Known.PEERS,
     "replicator_records_applied_total": Known.PAIRS,
     "replicator_records_sent_total": Known.PAIRS,
     "replicator_antientropy_rounds_total": Known.PAIRS,

@@ -65,6 +65,20 @@ class Entry(msgspec.Struct, array_like=True, frozen=True):
     tombstone: bool = False
 
 
+# The most msgpack adds to an entry's strings and bytes: its array's header, a header of at most 5 bytes for each of
+# table, id, value and origin, the version (at most 9) and the tombstone flag (1).
+ENTRY_OVERHEAD = 1 + 4 * 5 + 9 + 1
+
+
+def entry_size(entry: Entry) -> int:
+    """The most bytes `entry` takes in a frame: what a sender counts to keep its frames within the limit."""
+    return len(entry.value) + _utf8_size(entry.id) + _utf8_size(entry.table) + _utf8_size(entry.origin) + ENTRY_OVERHEAD
+
+
+def _utf8_size(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode())
+
+
 class Hello(msgspec.Struct, tag="hello", kw_only=True):
     node: str
     protocol: Count = PROTOCOL_VERSION

@@ -30,6 +30,7 @@ from aiohttp import web
 
 from replicator.shared import blobs, wire
 from replicator.shared.config import NAME_RE
+from replicator.shared.http_errors import error_response, error_text
 from replicator.shared.logs import log
 from replicator.shared.wire import Entry
 from replicator.workers import antientropy
@@ -194,7 +195,7 @@ async def _download(
                     if found is None or int(found.group(1)) != partial.offset:
                         raise FetchFailed(f"{url}: a range that does not start at byte {partial.offset}")
                 else:
-                    text = (await response.content.read(200)).decode("utf-8", "replace").strip()
+                    text = error_text(await response.content.read(1024))
                     if response.status == 416:
                         partial.restart()
                     raise FetchFailed(f"{url} answered {response.status}: {text}")
@@ -237,30 +238,30 @@ async def serve(ctx: WorkerContext, request: web.Request, peer: str) -> web.Stre
     database = request.match_info["database"]
     name = request.match_info["hash"]
     if not NAME_RE.match(database):
-        return web.Response(status=400, text=f"bad database name {database[:80]!r}\n")
+        return error_response(400, f"bad database name {database[:80]!r}")
     if not blobs.HEX_RE.match(name):
-        return web.Response(status=400, text=f"bad blob name {name[:80]!r}: a sha256 in lowercase hex\n")
+        return error_response(400, f"bad blob name {name[:80]!r}: a sha256 in lowercase hex")
     if not ctx.replicates(database):
-        return web.Response(status=403, text=f"database {database!r} is not replicated here\n")
+        return error_response(403, f"database {database!r} is not replicated here")
     if not ctx.store.path(database).exists():
-        return web.Response(status=404, text=f"unknown database {database!r}\n")
+        return error_response(404, f"unknown database {database!r}")
     store = blobs.for_database(ctx.store.data_dir, database)
     size = await asyncio.to_thread(store.check, name)
     if size is None:
         if store.path(name).exists():
             log.error("blob_damaged", peer=peer, database=database, hash=name, reason="its content does not match")
-        return web.Response(status=404, text=f"blob {name} of {database} is not held here\n")
+        return error_response(404, f"blob {name} of {database} is not held here")
     start = 0
     wanted_range = request.headers.get("Range")
     if wanted_range is not None:
         found = _RANGE.match(wanted_range.strip())
         if found is None:
-            return web.Response(status=400, text="only Range: bytes=N- is served\n")
+            return error_response(400, "only Range: bytes=N- is served")
         start = int(found.group(1))
         if start >= size:
-            return web.Response(
-                status=416, text=f"the blob has {size} bytes\n", headers={"Content-Range": f"bytes */{size}"}
-            )
+            refused = error_response(416, f"the blob has {size} bytes")
+            refused.headers["Content-Range"] = f"bytes */{size}"
+            return refused
     response = web.StreamResponse(status=206 if start else 200)
     response.content_type = "application/octet-stream"
     response.content_length = size - start
@@ -283,5 +284,5 @@ async def serve(ctx: WorkerContext, request: web.Request, peer: str) -> web.Stre
         # The peer went away mid-blob (it resumes from what it got), or the file left since it was checked.
         log.debug("blob_serve_ended", peer=peer, database=database, hash=name, error=type(exc).__name__)
         if not response.prepared:
-            return web.Response(status=404, text=f"blob {name} of {database} is not held here\n")
+            return error_response(404, f"blob {name} of {database} is not held here")
     return response

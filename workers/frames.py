@@ -3,7 +3,14 @@
 aiohttp's client and server WebSockets share `receive()`, `send_bytes()` and `close()`; this module turns what
 they report into the protocol's exceptions, split by cause: the peer closed or broke the link (`PeerClosed`), the
 peer sent something we do not accept (`MalformedFrame`, `ProtocolViolation`). A `Metered` socket counts the bytes
-of the frames that pass, per peer, for `replicator_bytes_sent_total` and `replicator_bytes_received_total`.
+of the frames that pass, per peer, for `replicator_bytes_sent_total` and `replicator_bytes_received_total`, and the
+frames refused as too large, for `replicator_frames_refused_total`.
+
+The frame limit, `replication.max_frame_bytes`, is inclusive at both ends: a frame of exactly that many bytes passes,
+one byte more closes the session with 1009 (message too big) and a reason naming the limit, and no end sends a frame
+above the limit its peer said in its Hello (`send`). aiohttp enforces the limit it is given as `max_msg_size`, before
+it buffers the payload, but refuses a message of that size or more (`receive_limit` adds the byte), and closes the
+socket itself with 1009 and no reason (`SenderSocket`, `SubscriberSocket` give it one).
 """
 
 from __future__ import annotations
@@ -11,7 +18,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, TypeVar
 
-from aiohttp import WSMsgType
+import aiohttp
+from aiohttp import WSMsgType, web
 
 from replicator.shared import wire
 from replicator.workers.counters import Counters
@@ -19,6 +27,7 @@ from replicator.workers.counters import Counters
 T = TypeVar("T")
 BYTES_SENT = "replicator_bytes_sent_total"
 BYTES_RECEIVED = "replicator_bytes_received_total"
+FRAMES_REFUSED = "replicator_frames_refused_total"
 
 # Keepalive: what an idle session costs, and how soon a frozen peer is seen (within 15 s, tests/integration/
 # test_health.py). The subscriber pings once nothing was received for SUBSCRIBER_HEARTBEAT; aiohttp rounds a
@@ -29,6 +38,44 @@ BYTES_RECEIVED = "replicator_bytes_received_total"
 # session. A frozen subscriber is seen within 16 s.
 SUBSCRIBER_HEARTBEAT = 6.5
 SENDER_HEARTBEAT = 10.0
+
+
+def receive_limit(max_frame_bytes: int) -> int:
+    """aiohttp's `max_msg_size` for a limit of `max_frame_bytes` inclusive: aiohttp refuses a message of
+    `max_msg_size` bytes or more."""
+    return max_frame_bytes + 1
+
+
+def too_large(limit: int) -> str:
+    """The close reason of a session refused for a frame above `limit`."""
+    return f"frame too large: at most {limit} bytes (replication.max_frame_bytes)"
+
+
+class _ReasonsTooLarge:
+    """A WebSocket that names its frame limit when it closes with 1009: aiohttp closes a socket whose peer sent a
+    message above `max_msg_size` itself, from `receive()`, with 1009 and an empty reason."""
+
+    frame_limit = 0  # the limit the socket was opened with; set before the first receive
+
+    async def close(self, *, code: int = wire.CLOSE_NORMAL, message: bytes = b"", **options: Any) -> bool:
+        if code == wire.CLOSE_TOO_BIG and not message and self.frame_limit:
+            message = wire.close_reason(too_large(self.frame_limit)).encode()
+        closed: bool = await super().close(code=code, message=message, **options)  # type: ignore[misc]
+        return closed
+
+
+class SenderSocket(_ReasonsTooLarge, web.WebSocketResponse):
+    """The sending end's WebSocket: `frame_limit` bytes at most per frame received, inclusive, no compression (a
+    frame is msgpack already, and a compressed one would cost a decompression before its size is known)."""
+
+    def __init__(self, frame_limit: int, **options: Any) -> None:
+        super().__init__(max_msg_size=receive_limit(frame_limit), compress=False, **options)
+        self.frame_limit = frame_limit
+
+
+class SubscriberSocket(_ReasonsTooLarge, aiohttp.ClientWebSocketResponse):
+    """The subscribing end's WebSocket (`aiohttp.ClientSession(ws_response_class=...)`); its dial passes
+    `receive_limit(...)` as `max_msg_size` and sets `frame_limit` to the same limit."""
 
 
 class Metered:
@@ -45,6 +92,8 @@ class Metered:
         msg = await self._ws.receive()
         if msg.type == WSMsgType.BINARY:
             self._counters.inc(BYTES_RECEIVED, self._peer, value=len(msg.data))
+        elif msg.type == WSMsgType.ERROR and getattr(msg.data, "code", None) == wire.CLOSE_TOO_BIG:
+            self._counters.inc(FRAMES_REFUSED, self._peer)
         return msg
 
     async def send_bytes(self, data: bytes) -> None:
@@ -72,10 +121,13 @@ async def receive(ws: Any, timeout: float | None = None) -> wire.Message:
         extra = f": {msg.extra}" if isinstance(msg.extra, str) and msg.extra else ""
         raise wire.PeerClosed(f"closed by the peer ({code}{extra})", code)
     if msg.type == WSMsgType.ERROR:
-        exc = ws.exception()
+        # The error is the message's data; `exception()` holds only errors that were not the peer's input, and the
+        # close code is the one aiohttp's own close ended with (1006 once it had closed the socket).
+        exc = msg.data if isinstance(msg.data, BaseException) else ws.exception()
         code = getattr(exc, "code", None) or ws.close_code or wire.CLOSE_INTERNAL
         if code == wire.CLOSE_TOO_BIG:
-            raise wire.ProtocolViolation(f"frame too large: {exc}", wire.CLOSE_TOO_BIG)
+            limit = getattr(ws, "frame_limit", 0)
+            raise wire.ProtocolViolation(too_large(limit) if limit else f"frame too large: {exc}", wire.CLOSE_TOO_BIG)
         raise wire.PeerClosed(f"connection broken: {exc}", code)
     raise wire.ProtocolViolation(f"unexpected WebSocket message {msg.type!r}")
 
@@ -87,9 +139,17 @@ async def expect(ws: Any, kind: type[T], timeout: float | None = None) -> T:
     return message
 
 
-async def send(ws: Any, message: wire.Message) -> None:
+async def send(ws: Any, message: wire.Message, limit: int = 0) -> None:
+    """Send one frame; `limit`: the largest frame the peer takes (its Hello's `max_frame`; 0 when it did not say)."""
+    data = wire.encode(message)
+    if limit and len(data) > limit:
+        raise wire.Refused(
+            f"a {type(message).__name__} frame of {len(data)} bytes does not fit the peer's frame limit ({limit}"
+            " bytes): raise its replication.max_frame_bytes",
+            wire.CLOSE_TOO_BIG,
+        )
     try:
-        await ws.send_bytes(wire.encode(message))
+        await ws.send_bytes(data)
     except (ConnectionError, RuntimeError) as exc:
         # aiohttp raises ConnectionResetError or RuntimeError once the transport is closing.
         raise wire.PeerClosed(f"send failed: {exc}", wire.CLOSE_GOING_AWAY) from None

@@ -27,6 +27,7 @@ import psutil
 
 from replicator.shared import config as config_module
 from replicator.shared import messages, revocation
+from replicator.shared.http_errors import error_text
 from replicator.shared.keys import pair_key
 from replicator.shared.logs import bridge_logging, log
 from replicator.shared.memory import Trimmer
@@ -34,7 +35,7 @@ from replicator.shared.notify import Doorbell
 from replicator.shared.prctl import PR_SET_PDEATHSIG, prctl
 from replicator.shared.store import Store
 from replicator.shared.tls import TlsConfigError, client_context, limit_read_buffers, server_context
-from replicator.workers import antientropy, blob_repair, blobs
+from replicator.workers import antientropy, blob_repair, blobs, frames
 from replicator.workers.admission import WorkerAdmission
 from replicator.workers.context import SYSTEM, WorkerContext
 from replicator.workers.counters import Counters
@@ -288,7 +289,9 @@ class Worker:
         # limit=0: every replication session holds its connection for as long as it runs, and all the pairs to
         # one peer share a worker, so aiohttp's default pool of 100 left every pair past the 100th waiting for a
         # connection that never freed (issue 7: 51 of 150 databases never reached the peer).
-        self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, resolver=resolver))
+        self._http = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, resolver=resolver), ws_response_class=frames.SubscriberSocket
+        )
 
     def _doorbell(self, directory: Path) -> Doorbell | None:
         """This worker's commit doorbell; without one, commits of the other processes reach its senders by the
@@ -577,8 +580,7 @@ def _https_transport(http: aiohttp.ClientSession, url: str, ctx: WorkerContext) 
                     chunks.append(chunk)
                 data = b"".join(chunks)
                 if response.status != 200:
-                    text = data[:200].decode("utf-8", "replace").strip()
-                    raise antientropy.PeerError(f"{endpoint} answered {response.status}: {text}")
+                    raise antientropy.PeerError(f"{endpoint} answered {response.status}: {error_text(data[:1024])}")
                 return data
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             raise antientropy.PeerError(f"{endpoint}: {exc or type(exc).__name__}") from None

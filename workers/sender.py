@@ -5,7 +5,9 @@ records table, in version order per origin, starting where the subscription says
 tails new commits the same way. Each batch carries marks (see `shared.wire.Batch`): an origin's mark rises to
 what this node holds complete of it once everything held above the subscriber's position has been sent. At most
 `replication.window` batches are in flight unacknowledged, and every send awaits the socket's drain, so a slow
-receiver slows the sender instead of making it buffer.
+receiver slows the sender instead of making it buffer. No frame is larger than the smaller of the two ends' frame
+limits (`frames.send` refuses one that would be); a batch's entries fill at most half of it (`_chunks`, counting each
+entry's encoded size, `wire.entry_size`), which leaves the other half to its marks and fields.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ class Sender:
         self._ws = frames.Metered(ws, ctx.counters, peer)
         self._peer = peer
         self._settings = ctx.config.replication
-        self._frame_budget = self._settings.max_frame_bytes // 2
+        # The largest frame this end sends: the smaller of its own limit and the one the subscriber's Hello says.
+        self._send_limit = self._settings.max_frame_bytes
+        self._frame_budget = self._send_limit // 2  # what a batch's entries may fill of a frame
         self._sent = 0
         self._acked = 0
         self._room = asyncio.Event()
@@ -74,8 +78,9 @@ class Sender:
             offset = round(hello.wall - self._ctx.wall(), 6)
             self._ctx.report(messages.PeerClock(peer=self._peer, offset_seconds=offset))
         if hello.max_frame:
-            # Never build a frame the subscriber would refuse: half of the smaller limit.
-            self._frame_budget = min(self._frame_budget, hello.max_frame // 2)
+            # Never build a frame the subscriber would refuse.
+            self._send_limit = min(self._send_limit, hello.max_frame)
+            self._frame_budget = self._send_limit // 2
         await frames.send(
             self._ws,
             wire.Hello(
@@ -84,6 +89,7 @@ class Sender:
                 wall=self._ctx.wall(),
                 max_frame=self._settings.max_frame_bytes,
             ),
+            self._send_limit,
         )
         sub = await frames.expect(self._ws, wire.Subscribe, HANDSHAKE_TIMEOUT)
         db = self._open(sub)
@@ -103,6 +109,7 @@ class Sender:
                 yours=origins[self._peer].complete if self._peer in origins else 0,
                 purged=purged,
             ),
+            self._send_limit,
         )
         self._holds = {origin: version for origin, version in sub.progress.items() if version > 0}
         self._exclude = sorted(exclude)
@@ -259,7 +266,7 @@ class Sender:
             await self._room.wait()
         self._check_gone()
         async with self._sending:
-            await frames.send(self._ws, message)
+            await frames.send(self._ws, message, self._send_limit)
         self._sent += 1
         if isinstance(message, wire.Batch) and message.marks:
             self._unacked.append((self._sent, dict(message.marks)))
@@ -269,16 +276,16 @@ class Sender:
             raise self._gone
 
     def _chunks(self, entries: list[wire.Entry]) -> list[list[wire.Entry]]:
-        """Split a batch so that no frame exceeds half the frame limit (values dominate a frame's size)."""
+        """Split a batch so that the entries of a frame take at most half the frame limit."""
         chunks: list[list[wire.Entry]] = [[]]
         size = 0
         for entry in entries:
-            cost = len(entry.value) + len(entry.id) + 64
+            cost = wire.entry_size(entry)
             if cost > self._frame_budget:
                 # It fits in no frame the subscriber accepts: say so, rather than send a batch it must refuse.
                 raise wire.Refused(
                     f"record {entry.table}/{entry.id[:100]} ({cost} bytes) does not fit the subscriber's frame limit"
-                    f" ({2 * self._frame_budget} bytes): raise its replication.max_frame_bytes",
+                    f" ({self._send_limit} bytes): raise its replication.max_frame_bytes",
                     wire.CLOSE_TOO_BIG,
                 )
             if chunks[-1] and size + cost > self._frame_budget:
@@ -300,7 +307,7 @@ class Sender:
             heads = plan.heads(db)
             if heads != sent:
                 async with self._sending:
-                    await frames.send(self._ws, wire.Heads(complete=heads))
+                    await frames.send(self._ws, wire.Heads(complete=heads), self._send_limit)
                 sent = heads
             await asyncio.sleep(HEADS_INTERVAL)
             if db.data_version() == version:

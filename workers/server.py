@@ -17,6 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from replicator.shared import wire
+from replicator.shared.http_errors import JsonErrorRunner, error_response
 from replicator.shared.logs import capture_library_logs, log
 from replicator.shared.store import UnknownDatabase
 from replicator.shared.tls import PeerIdentity, peer_identity
@@ -51,7 +52,7 @@ class ReplicationServer:
         # aiohttp's keep-alive timer runs from the moment a connection is made: a client that has not sent a whole
         # request head within request_timeout of connecting (or of its last answer) is dropped. The rest of a body
         # left unread after an answer is waited for as long, no longer.
-        self._runner = web.AppRunner(
+        self._runner = JsonErrorRunner(
             self._app,
             access_log=None,
             handle_signals=False,
@@ -96,7 +97,7 @@ class ReplicationServer:
         identity = peer_identity(ssl_object) if ssl_object is not None else None
         if identity is None:
             log.warning("send_auth_refused", peer="", database="", reason="no client certificate")
-            return web.Response(status=401, text="a client certificate from the cluster CA is required\n")
+            return error_response(401, "a client certificate from the cluster CA is required")
         budget = self._ctx.config.replication.send_auth_budget
         first = self._authorize(identity)
         if first is not None and first.endswith(NOT_REGISTERED) and budget > 0:
@@ -106,7 +107,7 @@ class ReplicationServer:
         )
         if refusal is not None:
             log.warning("send_auth_refused", peer=identity.name, database="", reason=refusal, attempts=attempts)
-            return web.Response(status=403, text=refusal + "\n")
+            return error_response(403, refusal)
         if attempts > 1:
             log.info("send_auth_admitted", peer=identity.name, attempts=attempts)
         return identity
@@ -142,20 +143,20 @@ class ReplicationServer:
             async with asyncio.timeout(self._ctx.config.listen.request_timeout):
                 body = await request.read()
         except TimeoutError:
-            return web.Response(status=408, text="the query did not arrive within listen.request_timeout\n")
+            return error_response(408, "the query did not arrive within listen.request_timeout")
         if len(body) > antientropy.MAX_QUERY_BYTES:
-            return web.Response(status=413, text=f"a query is at most {antientropy.MAX_QUERY_BYTES} bytes\n")
+            return error_response(413, f"a query is at most {antientropy.MAX_QUERY_BYTES} bytes")
         try:
             query = antientropy.decode_query(body)
         except antientropy.BadQuery as exc:
             log.warning("antientropy_refused", peer=peer, reason=str(exc), sample_by=("peer",))
-            return web.Response(status=400, text=f"{exc}\n")
+            return error_response(400, str(exc))
         if not self._ctx.replicates(query.database):
-            return web.Response(status=403, text=f"database {query.database!r} is not replicated here\n")
+            return error_response(403, f"database {query.database!r} is not replicated here")
         try:
             db = self._ctx.store.database(query.database)
         except UnknownDatabase as exc:
-            return web.Response(status=404, text=f"{exc}\n")
+            return error_response(404, str(exc))
         reply = antientropy.answer(db, query)
         return web.Response(body=antientropy.encode(reply), content_type="application/msgpack")
 
@@ -171,9 +172,9 @@ class ReplicationServer:
         if isinstance(identity, web.Response):
             return identity
         identity_name = identity.name
-        ws = web.WebSocketResponse(
+        ws = frames.SenderSocket(
+            self._ctx.config.replication.max_frame_bytes,
             protocols=[wire.SUBPROTOCOL],
-            max_msg_size=self._ctx.config.replication.max_frame_bytes,
             # Longer than the subscriber's on purpose (workers.frames): while its pings arrive this end sends none.
             heartbeat=frames.SENDER_HEARTBEAT,
         )

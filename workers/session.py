@@ -7,8 +7,12 @@ Lifecycle (`State`):
 
 A session is one dial attempt and what follows it; each has its own session id, which the reports carry so the
 coordinator can tell a report from the monitored session from a stale one. Reconnects follow the one backoff
-schedule (floor 0.5 s, 0.5 -> 30 s, full jitter or equal), reset once a peer has accepted a subscription. A force
-reconnect interrupts whatever the session is doing and schedules exactly one immediate reconnect.
+schedule (floor 0.5 s, 0.5 -> 30 s, full jitter or equal). It starts over after a session that made real progress (a
+batch applied, or up for STAYED_UP), judged when the session has ended: one that ended because this node refused what
+the peer sent (a clock or a version too far ahead, a batch it must refuse, a frame too large) never starts it over,
+however far it got first: the peer sends the same again on the next session, and a batch applied before the refused
+one would otherwise hold the pair at the schedule's floor, a redial every 0.5 s. A force reconnect interrupts whatever
+the session is doing and schedules exactly one immediate reconnect.
 
 The schedule paces one pair; the pairs of one peer together are held to the peer's redial budget
 (`WorkerContext.redial_budget`, `shared.retry_budget`): a redial after a backoff delay takes a token, and when there
@@ -48,7 +52,7 @@ DIAL_TIMEOUT = 15.0
 PROGRESS_INTERVAL = 0.5
 HOLDS_INTERVAL = 5.0
 HOLDS_RECHECK = 60.0  # an idle pair's holds check when no commit woke it (a lost ring)
-STAYED_UP = 10.0  # a session up this long counts as progress: the reconnect schedule starts over
+STAYED_UP = 10.0  # a session up this long made progress: the reconnect schedule starts over after it
 MAX_HEADS = 1024  # origins a Heads may name (as many as a subscription may)
 
 
@@ -109,6 +113,9 @@ class PeerSession:
         self.attempts = 0
         self._forced = False
         self._going_away = False
+        # The session in progress made real progress: a batch applied, or the subscription accepted this long ago.
+        self._applied_batch = False
+        self._up_since: float | None = None
         self._token: RetryBudget | None = None  # the budget the dial in progress took a token of
         self._wake = asyncio.Event()
         self._attempt: asyncio.Task[None] | None = None
@@ -201,12 +208,15 @@ class PeerSession:
         while self.state is not State.CLOSED:
             self.session_id = self._new_session_id()
             self._set_state(State.DIALING)
+            self._applied_batch, self._up_since = False, None
             attempt = self._loop.create_task(self._attempt_once(self.session_id))
             self._attempt = attempt
             await asyncio.wait({attempt})
             self._attempt = None
             self._token = None  # a dial that failed keeps its token spent (one that connected gave it back)
             error = self._outcome(attempt)
+            if self._progressed() and not refused_input(attempt):
+                self._backoff.reset()
             was_connected = self.connected
             self.connected = False
             if was_connected:
@@ -247,6 +257,13 @@ class PeerSession:
                     await self._take_token(error)
                 if self._forced:
                     self._forced = False
+
+    def _progressed(self) -> bool:
+        """Whether the session that just ended made real progress: a batch applied, or up for STAYED_UP. A peer whose
+        sessions fail right after the handshake (a full disk, a mute peer) keeps backing off."""
+        if self._applied_batch:
+            return True
+        return self._up_since is not None and self._loop.time() - self._up_since >= STAYED_UP
 
     async def _pause(self, seconds: float) -> bool:
         """Wait `seconds`; True when woken first (closed, or a forced reconnect)."""
@@ -330,14 +347,18 @@ class PeerSession:
 
     async def _dial(self) -> Any:
         url = self.sub.url.rstrip("/") + "/replication"
-        return await self._http.ws_connect(
+        limit = self._ctx.config.replication.max_frame_bytes
+        ws = await self._http.ws_connect(
             url,
             protocols=[wire.SUBPROTOCOL],
             ssl=self._ctx.client_ssl,
-            max_msg_size=self._ctx.config.replication.max_frame_bytes,
+            max_msg_size=frames.receive_limit(limit),
             heartbeat=frames.SUBSCRIBER_HEARTBEAT,  # a frozen peer misses its pong: the session ends within 11 s
             timeout=aiohttp.ClientWSTimeout(ws_close=5.0),
         )
+        if isinstance(ws, frames.SubscriberSocket):  # the worker's session makes them (workers.main)
+            ws.frame_limit = limit
+        return ws
 
     async def _dial_within(self, seconds: float) -> Any:
         async with asyncio.timeout(seconds):  # not wait_for: see workers.frames.receive
@@ -356,10 +377,18 @@ class PeerSession:
             if not isinstance(outcome, BaseException):
                 await frames.close(outcome, self._close_code(), "unsubscribed during the handshake")
             raise
+        refused: tuple[int, str] | None = None  # the peer learns why this end refused it
         try:
             await self._stream(frames.Metered(ws, self._ctx.counters, self.peer), session)
+        except wire.SessionError as exc:
+            refused = exc.code, exc.reason
+            raise
+        except wire.MalformedFrame as exc:
+            refused = exc.close_code, exc.reason
+            raise
         finally:
-            await frames.close(ws, self._close_code(), self.last_error or "session ended")
+            code, reason = refused or (self._close_code(), self.last_error or "session ended")
+            await frames.close(ws, code, reason)
 
     def _close_code(self) -> int:
         if self.state is State.CLOSED:
@@ -406,6 +435,7 @@ class PeerSession:
         await frames.send(
             ws,
             wire.Subscribe(database=self.database, progress=progress, exclude=self.sub.exclude, own_upto=own_upto),
+            hello.max_frame,
         )
         schema = await frames.expect(ws, wire.Schema, HANDSHAKE_TIMEOUT)
         self._check_schema(db, schema, progress)
@@ -439,14 +469,10 @@ class PeerSession:
         sending = asyncio.Lock()
         holds = None
         if "holds" in hello.capabilities:
-            holds = self._loop.create_task(self._send_holds(ws, db, dict(progress), sending))
-        # The schedule starts over only after real progress: a batch applied, or the session up for STAYED_UP.
-        # A peer whose sessions fail right after the handshake (a full disk, a mute peer) keeps backing off.
-        stayed = self._loop.call_later(STAYED_UP, self._backoff.reset)
+            holds = self._loop.create_task(self._send_holds(ws, db, dict(progress), sending, hello.max_frame))
         try:
             await self._receive(ws, db, session, sending)
         finally:
-            stayed.cancel()
             if holds is not None:
                 holds.cancel()
                 await asyncio.gather(holds, return_exceptions=True)
@@ -487,12 +513,13 @@ class PeerSession:
         """The peer accepted the subscription: the session is up, and the dial that got here was free."""
         self.connected = True
         self._set_state(State.STREAMING)
+        self._up_since = self._loop.time()
         self.last_error = ""
         if self._token is not None:
             self._token.refund()
             self._token = None
 
-    async def _send_holds(self, ws: Any, db: Any, sent: dict[str, int], sending: asyncio.Lock) -> None:
+    async def _send_holds(self, ws: Any, db: Any, sent: dict[str, int], sending: asyncio.Lock, limit: int) -> None:
         """Tell the sender what this node holds, when it changed, at most every HOLDS_INTERVAL: origins it gets over
         other links too, which the sender cannot see from its own acknowledged marks.
 
@@ -512,7 +539,7 @@ class PeerSession:
             progress = db.progress()
             if progress != sent:
                 async with sending:
-                    await frames.send(ws, wire.Holds(progress=progress))
+                    await frames.send(ws, wire.Holds(progress=progress), limit)
                 sent = progress
 
     async def _receive(self, ws: Any, db: Any, session: int, sending: asyncio.Lock) -> None:
@@ -577,8 +604,7 @@ class PeerSession:
             applied = await self._commit(db, entries, marks)
             if entries:  # not the empty batch that only says caught up
                 ctx.counters.observe(BATCH_APPLY_SECONDS, self._loop.time() - started, self.database)
-            if not batches:
-                self._backoff.reset()
+            self._applied_batch = True
             batches += 1
             async with sending:
                 await frames.send(ws, wire.Ack(seq=batches))
@@ -723,6 +749,14 @@ class PeerSession:
     @property
     def dirty(self) -> bool:
         return self._dirty
+
+
+def refused_input(attempt: asyncio.Task[None]) -> bool:
+    """Whether the session ended because this node refused what the peer sent: its clock or a version too far ahead
+    (`wire.ClockSkew`), a frame or a batch the protocol does not allow. The next session would be sent the same."""
+    if attempt.cancelled():
+        return False
+    return isinstance(attempt.exception(), wire.Refused | wire.ProtocolViolation | wire.MalformedFrame)
 
 
 def ahead_of(heads: dict[str, int], progress: dict[str, int]) -> dict[str, int]:

@@ -86,6 +86,13 @@ async def wait_for(predicate: Callable[[], Any], timeout: float, what: str, inte
         raise AssertionError(f"timed out after {timeout} s waiting for {what}") from None
 
 
+def equal_jitter_floor(attempt: int) -> float:
+    """The least delay of a reconnect schedule's `attempt`-th draw (0-based) with `replication.reconnect_jitter =
+    "equal"`: half its ceiling, which doubles from 0.5 s to 30 s, and never below the 0.5 s floor. A schedule that
+    started over draws 0.5 s again, so each delay shows whether it grew."""
+    return max(0.5, min(0.5 * 2**attempt, 30.0) / 2)
+
+
 def log_records(node: Any) -> list[dict[str, Any]]:
     """Every line of a node's log (`LocalNode`), each of which must be a JSON object with an event: a traceback
     line would not be. A line that is not shows with the 40 lines from it."""

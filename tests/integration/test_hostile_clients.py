@@ -175,6 +175,64 @@ async def test_hostile_requests_are_4xx_naming_the_problem(make_cluster: Callabl
         await cluster.close()
 
 
+async def answer(
+    port: int, context: ssl.SSLContext | None, request: bytes, timeout: float = 15.0
+) -> tuple[int, dict[str, str], bytes]:
+    """Send raw request bytes (over TLS when `context` is given): the status, headers and body of the answer."""
+    reader, writer = await asyncio.open_connection(HOST, port, ssl=context)
+    try:
+        writer.write(request)
+        data = await asyncio.wait_for(reader.read(), timeout)
+    finally:
+        writer.transport.abort()
+    head, _, body = data.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {name.strip().lower(): value.strip() for name, _, value in (line.partition(":") for line in lines)}
+    return int(status_line.split(" ", 2)[1]), headers, body
+
+
+async def test_every_4xx_on_both_ports_is_json(make_cluster: Callable[..., LocalCluster]) -> None:
+    """Refused by aiohttp's HTTP parser before any handler runs, by its router, by its Expect check, or by the
+    replication endpoints: every answer is a JSON object naming the problem, on the node port and the admin port."""
+    cluster = make_cluster(["a"], workers=1, token=TOKEN)
+    cluster.start()
+    try:
+        await cluster.wait_ready()
+        node = cluster["a"]
+        pid = await worker_pid(cluster)
+        await assert_serving(cluster, "a")
+        common: list[tuple[bytes, int, str]] = [
+            (http("GET", "/status?" + "q" * 65_536), 400, "8190 bytes"),  # a 64 KB URL
+            (http("GET", "/status", None, {"X-Filler": b"h" * 16_384}), 400, "8190 bytes"),  # a 16 KB header
+            (b"GARBAGE\r\n\r\n", 400, "Invalid method"),
+            (b"GET /status HTTP/9.9 extra\r\n\r\n", 400, ""),
+            (http("GET", "/nowhere"), 404, "Not Found"),
+            (http("GET", "/status", None, {"Expect": b"teapot"}), 417, "Expect"),
+        ]
+        node_only = [
+            (http("PATCH", "/data/db/t/x", b"1"), 405, "Method Not Allowed"),
+            (http("GET", "/replication"), 401, "client certificate"),  # no certificate: not a peer
+            (http("POST", "/replication/antientropy", b"x"), 401, "client certificate"),
+            (http("GET", "/replication/blobs/db/" + "0" * 64), 401, "client certificate"),
+        ]
+        admin_only = [(http("PATCH", "/status"), 405, "Method Not Allowed")]
+        ports = [(node.port, cluster.data_ssl, common + node_only), (node.admin_port, None, common + admin_only)]
+        for port, context, cases in ports:
+            for request, status, reason in cases:
+                got, headers, body = await answer(port, context, request)
+                what = (port, request[:60], got, headers.get("content-type"), body[:200])
+                assert got == status and headers.get("content-type") == "application/json", what
+                error = json.loads(body)["error"]
+                assert isinstance(error, str) and error and reason in error, what
+        # The node answers on both ports as before, its worker unchanged, its log JSON lines.
+        records = await assert_serving(cluster, "a")
+        assert await worker_pid(cluster) == pid
+        assert (await cluster.admin("a", "/healthz"))[0] == 200
+        assert [r for r in records if r["event"] == "request_failed"] == []
+    finally:
+        await cluster.close()
+
+
 # -- connections -----------------------------------------------------------------------------------------------------
 
 

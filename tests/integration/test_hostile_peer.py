@@ -10,6 +10,7 @@ ends with the node serving and its log still JSON lines.
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -25,7 +26,7 @@ from replicator.coordinator.local_cluster import LocalCluster, free_ports
 from replicator.shared import membership, wire
 from replicator.shared.store import NodeRow
 from replicator.shared.tls import client_context, issue_node_cert, server_context
-from tests.integration.conftest import FAST, assert_log_is_json, wait_for
+from tests.integration.conftest import FAST, assert_log_is_json, equal_jitter_floor, wait_for
 
 
 async def _register(cluster: LocalCluster, name: str, url: str, replicates: bool) -> None:
@@ -234,6 +235,160 @@ async def test_a_peer_that_fails_after_the_handshake_is_not_redialled_twice_a_se
         await cluster.wait_converged("after_mute", ["a", "b"], timeout=30, expect_count=1)
     finally:
         await peer.close()
+    assert_log_is_json(cluster["a"])
+
+
+async def test_a_peer_refused_for_clock_skew_is_redialled_on_a_growing_schedule(
+    make_cluster: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    """mallet's clock is right, and so is the first batch of each session, which a applies; the second carries a
+    version a day ahead, which a refuses. The refusal does not start the pair's schedule over: with equal jitter every
+    delay is at least half its attempt's ceiling, so each one shows the growth (at the floor, every one was 0.5 s)."""
+    cluster = make_cluster(["a", "b"], workers=1, replication={**FAST, "reconnect_jitter": "equal"})
+    cluster.start()
+    await cluster.wait_ready()
+    issue_node_cert(cluster.dir / "ca", "mallet", ["127.0.0.1"], tmp_path / "mallet")
+    applied: list[int] = []  # by session, the acks a sent for the batch that was fine
+
+    async def ahead(ws: Any, subscribe: wire.Subscribe) -> None:
+        now = int(time.time() * 1_000_000)
+        await ws.send_bytes(wire.encode(wire.Schema(database=subscribe.database, epoch="x", head_seq=1)))
+        fine = wire.Entry("t", "fine", b"\xa2ok", now, "mallet")
+        await ws.send_bytes(wire.encode(wire.Batch(entries=[fine], marks={"mallet": now}, head_seq=1)))
+        while not isinstance(wire.decode((await ws.receive(timeout=10)).data), wire.Ack):
+            pass
+        applied.append(1)
+        day = now + 86_400 * 1_000_000
+        late = wire.Entry("t", "late", b"\xa2ok", day, "mallet")
+        await ws.send_bytes(wire.encode(wire.Batch(entries=[late], marks={"mallet": day}, head_seq=2)))
+        code, reason = await _closed(ws)
+        assert code == wire.CLOSE_POLICY and "ahead of our clock" in reason, (code, reason)
+
+    peer = FakePeer(cluster, tmp_path / "mallet", ahead)
+    await peer.start()
+    try:
+        await _register(cluster, "mallet", peer.url, replicates=True)
+
+        def refused_delays() -> list[float]:
+            return [
+                e["delay_s"]
+                for e in cluster["a"].events("reconnect_scheduled")
+                if e["peer"] == "mallet" and e["database"] == "system" and "ahead of our clock" in e["error"]
+            ]
+
+        delays = await wait_for(lambda: (d := refused_delays())[4:] and d, 90, "five refusals of mallet's batch")
+        assert all(delay >= equal_jitter_floor(n) for n, delay in enumerate(delays)), delays
+        assert len(applied) >= len(delays)  # every refused session had applied its first batch
+        assert (await cluster.data("a", "GET", "/data/system/t/fine"))[0] == 200
+        status, body = await cluster.data("a", "GET", "/data/system/t/late")
+        assert status == 404, body  # the version from the future was never applied
+        assert (await cluster.data("a", "PUT", "/data/after_skew/t/x", {"ok": 1}))[0] == 200
+        await cluster.wait_converged("after_skew", ["a", "b"], timeout=30, expect_count=1)
+    finally:
+        await peer.close()
+        await cluster.close()
+    assert_log_is_json(cluster["a"])
+
+
+LIMIT = 64 * 1024  # the least replication.max_frame_bytes
+
+
+def sized(size: int, make: Callable[[bytes], wire.Message]) -> bytes:
+    """A frame of exactly `size` bytes: `make(padding)` with the padding grown until it is."""
+    base = len(wire.encode(make(b"")))
+    for extra in range(max(0, size - base - 8), size - base + 1):
+        data = wire.encode(make(b"x" * extra))
+        if len(data) == size:
+            return data
+    raise AssertionError(f"no padding makes a frame of {size} bytes")
+
+
+async def test_a_frame_of_exactly_the_limit_passes_and_one_byte_more_closes_with_1009(
+    make_cluster: Callable[..., LocalCluster], tmp_path: Path
+) -> None:
+    """Both ends of a session, with replication.max_frame_bytes at 64 KiB. As the sender, a takes a Hello of
+    exactly 64 KiB from mallet and answers it; a byte more and the session closes with 1009 and a reason naming the
+    limit. As the subscriber, a applies and acknowledges mallet's batch of exactly 64 KiB; a byte more, the same."""
+    cluster = make_cluster(["a"], workers=1, replication={**FAST, "max_frame_bytes": LIMIT})
+    cluster.start()
+    await cluster.wait_ready()
+    folder = tmp_path / "mallet"
+    issue_node_cert(cluster.dir / "ca", "mallet", ["127.0.0.1"], folder)
+    outcomes: list[tuple[bool, int, str]] = []  # per session a dialled: (the exact batch acknowledged, close, reason)
+    now = int(time.time() * 1_000_000)
+
+    def batch(name: str) -> Callable[[bytes], wire.Message]:
+        def make(padding: bytes) -> wire.Message:
+            value = msgspec.msgpack.encode(padding.decode())
+            return wire.Batch(entries=[wire.Entry("t", name, value, now, "mallet")], marks={"mallet": now})
+
+        return make
+
+    async def serve(ws: Any, subscribe: wire.Subscribe) -> None:
+        await ws.send_bytes(wire.encode(wire.Schema(database=subscribe.database, epoch="x", head_seq=1)))
+        await ws.send_bytes(sized(LIMIT, batch("exact")))
+        reply = await ws.receive(timeout=10)
+        if reply.type != aiohttp.WSMsgType.BINARY or not isinstance(wire.decode(reply.data), wire.Ack):
+            outcomes.append((False, reply.data, reply.extra or ""))  # refused at the limit
+            return
+        await ws.send_bytes(sized(LIMIT + 1, batch("over")))
+        code, reason = await _closed(ws)
+        outcomes.append((True, code, reason))
+
+    peer = FakePeer(cluster, folder, serve)
+    await peer.start()
+    try:
+        pid = (await cluster.admin("a", "/status"))[1]["workers"][0]["pid"]
+        await _register(cluster, "mallet", peer.url, replicates=True)
+        limit = f"frame too large: at most {LIMIT} bytes (replication.max_frame_bytes)"
+
+        # a subscribes to mallet's system database.
+        (acked, code, reason), *_ = await wait_for(lambda: outcomes, 60, "a's first session with mallet to end")
+        assert acked and (code, reason) == (wire.CLOSE_TOO_BIG, limit)
+        assert (await cluster.data("a", "GET", "/data/system/t/exact"))[0] == 200
+        assert (await cluster.data("a", "GET", "/data/system/t/over"))[0] == 404
+
+        # mallet dials a, and says Hello at the limit, then a byte over it.
+        def hello(padding: bytes) -> wire.Message:
+            return wire.Hello(node="mallet", capabilities=[padding.decode()])
+
+        for size, answered in ((LIMIT, True), (LIMIT + 1, False)):
+            ws = await cluster.http.ws_connect(
+                cluster["a"].url + "/replication",
+                protocols=[wire.SUBPROTOCOL],
+                ssl=_mallet_client(cluster, folder),
+                autoclose=False,
+                max_msg_size=0,
+            )
+            await ws.send_bytes(sized(size, hello))
+            reply = await ws.receive(timeout=10)
+            await ws.close()
+            if answered:
+                assert reply.type == aiohttp.WSMsgType.BINARY and isinstance(wire.decode(reply.data), wire.Hello)
+            else:
+                assert (reply.type, reply.data, reply.extra) == (aiohttp.WSMsgType.CLOSE, wire.CLOSE_TOO_BIG, limit)
+
+        def rejected() -> list[dict[str, Any]]:
+            return [e for e in cluster["a"].events("session_rejected") if e["peer"] == "mallet" and e["code"] == 1009]
+
+        await wait_for(rejected, 30, "a to log the refused Hello")
+        assert [e["reason"] for e in rejected()] == [limit]  # logged once
+        disconnected = [e for e in cluster["a"].events("session_disconnected") if e["peer"] == "mallet"]
+        assert disconnected and disconnected[0]["error"] == limit
+
+        async def counted() -> bool:
+            """Each refusal counted: the inbound one, and at least the first of a's sessions with mallet."""
+            async with cluster.http.get(cluster["a"].admin_url + "/metrics") as response:
+                text = await response.text()
+            found = re.search(r'^replicator_frames_refused_total\{peer="mallet"\} (\S+)$', text, re.M)
+            return found is not None and float(found.group(1)) >= 2
+
+        await wait_for(counted, 30, "the refusals counted")
+        assert (await cluster.admin("a", "/status"))[1]["workers"][0]["pid"] == pid
+        assert (await cluster.data("a", "PUT", "/data/after_frames/t/x", {"ok": 1}))[0] == 200
+    finally:
+        await peer.close()
+        await cluster.close()
     assert_log_is_json(cluster["a"])
 
 

@@ -116,6 +116,8 @@ EXPORTED: dict[str, frozenset[str]] = {
     "replicator_certificate_expiry_timestamp_seconds": frozenset({"certificate"}),
     # Issue 21: admin requests and connections refused (Host, Origin, token, type, the connection cap).
     "replicator_admin_refused_total": frozenset({"reason"}),
+    # Issue 21: frames refused as larger than replication.max_frame_bytes.
+    "replicator_frames_refused_total": frozenset({"peer"}),
 }
 # Where ops/prometheus.yml reads the admin token it scrapes with.
 ADMIN_TOKEN_FILE = "/etc/prometheus/replicator-admin-token"

@@ -2,8 +2,9 @@
 
 When it dials, it checks the other node's certificate with its own clock, and the other checks its certificate
 with the true one: both hold only if the certificates outlast the skew. The node on true time refuses the peer
-ahead by more than max_clock_skew (`clock_skew_refused`, the refusal counter, the offset gauge) and keeps writing
-with versions near real time; the skewed node still receives what the others write.
+ahead by more than max_clock_skew (`clock_skew_refused`, the refusal counter, the offset gauge), redials it on the
+pair's growing schedule, and keeps writing with versions near real time; the skewed node still receives what the
+others write.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import aiohttp
 import pytest
 
 from replicator.coordinator.local_cluster import faketime_env
-from tests.integration.conftest import assert_identical, wait_for
+from tests.integration.conftest import FAST, assert_identical, equal_jitter_floor, wait_for
 
 DAY_S = 86_400
 
@@ -24,7 +25,8 @@ async def test_node_400_days_ahead_completes_tls_with_its_peer(make_cluster) -> 
     env = faketime_env("+400d")
     if env is None:
         pytest.skip("libfaketime is not installed (Debian package faketime; .ci/run installs it)")
-    cluster = make_cluster(["a", "b"], workers=1, env={"b": env})
+    # Equal jitter: every reconnect delay is at least half its attempt's ceiling, so each one shows the growth.
+    cluster = make_cluster(["a", "b"], workers=1, env={"b": env}, replication={**FAST, "reconnect_jitter": "equal"})
     cluster.start()
     try:
         await cluster.wait_ready()
@@ -48,6 +50,19 @@ async def test_node_400_days_ahead_completes_tls_with_its_peer(make_cluster) -> 
         # a refuses b: b's clock, and so every version b makes, is far past a's max_clock_skew.
         refused = await wait_for(lambda: cluster["a"].events("clock_skew_refused"), 30, "a refusing b's clock")
         assert refused[0]["peer"] == "b" and refused[0]["skew_s"] > 399 * DAY_S
+
+        def redials() -> list[float]:
+            """a's reconnect delays for its pair with b for system, from the first refusal of b's clock on."""
+            scheduled = [
+                e for e in cluster["a"].events("reconnect_scheduled") if (e["peer"], e["database"]) == ("b", "system")
+            ]
+            first = next((n for n, e in enumerate(scheduled) if "ahead of ours" in e["error"]), len(scheduled))
+            return [e["delay_s"] for e in scheduled[first:]]
+
+        # A refused peer is redialled on the pair's schedule, which only grows (earlier failed dials, before b was
+        # listening, may have advanced it already: never below the floor of each attempt since the first refusal).
+        delays = await wait_for(lambda: (d := redials())[4:] and d, 60, "five redials of b refused for its clock")
+        assert all(delay >= equal_jitter_floor(n) for n, delay in enumerate(delays)), delays
 
         async def scraped() -> tuple[float, float] | None:
             # Worker counters reach the coordinator with the next heartbeat.

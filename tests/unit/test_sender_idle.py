@@ -157,7 +157,7 @@ def test_the_subscribers_holds_wake_on_commits_and_read_nothing_at_rest(
     session._ctx = SimpleNamespace(feeds=feeds)  # type: ignore[assignment]
     session._peer_heads, session.ahead = {}, {}  # no Heads from this peer
     ws = Socket()
-    holds = loop.create_task(session._send_holds(ws, db, {}, asyncio.Lock()))
+    holds = loop.create_task(session._send_holds(ws, db, {}, asyncio.Lock(), 0))
     db.apply_batch([], {"q": 1})  # what a session applies from a peer moves the holds
     loop.advance_to(HOLDS_INTERVAL)
     assert [m.progress for m in ws.sent if isinstance(m, wire.Holds)] == [{"q": 1}]
