@@ -861,7 +861,7 @@ class Node:
         pair.worker = message.worker
         pair.session = message.session
         pair.connected_at = now
-        pair.recovery = message.recovery
+        pair.own_upto = message.own_upto
         pair.dispatched_to = None
         if pair.setup_started is not None:
             self.metrics.setup_connected(entry.peer, now - pair.setup_started)

@@ -5,7 +5,7 @@ damaged, one adopted from another node) or when a peer showed it went back in ti
 `shared.own_writes`). Its own origin counts only what peers have confirmed, and its subscriptions ask every peer to
 serve the node's own writes back up to the file's floor. The recovery is over when every peer it replicates the
 database with has served it: each of its pairs has connected since the recovery began (or since the latest
-regression), on a subscription carrying the latest regression's floor, and caught up. A peer that is down, or was
+regression), asking for the own writes up to the latest regression's floor, and caught up. A peer that is down, or was
 never dialled, is waited for: it may hold the only copy of an acknowledged write of this node (invariant 19), and
 ending the recovery without it would promise peers a position past that write. The wait ends when the peer has
 served, or when it is no longer a pair (removed from the registry, no longer holding the database).
@@ -54,7 +54,7 @@ class PairView(Protocol):
     connected: bool
     caught_up: bool
     connected_at: float | None
-    recovery: int
+    own_upto: int
     peer_recovering: bool
 
 
@@ -211,14 +211,14 @@ class Recoveries:
 
 def _serves(pair: PairView, recovery: Recovery) -> bool:
     """Caught up in a session that asked for what the file lacks: one connected since the recovery began (or last
-    regressed), on a subscription made for its latest floor. The order of the reports does not tell it alone: the
-    session in whose handshake the file was found gone back in time reports connected after the regression, yet it
-    asked for the own writes up to the floor before."""
+    regressed) that asked for the own writes up to the latest floor. The order of the reports does not tell it
+    alone: the session in whose handshake a file restored from an old backup was found gone back in time reports
+    connected after the regression, yet it asked for none of them (an unknown file's sessions ask for all)."""
     return (
         pair.connected
         and pair.caught_up
         and (pair.connected_at or 0.0) >= recovery.started
-        and pair.recovery >= recovery.floor
+        and pair.own_upto >= recovery.floor
     )
 
 

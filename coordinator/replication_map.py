@@ -43,7 +43,7 @@ class PairState:
     # When a subscribe went to a worker while the pair was not connected: its connect is timed from there.
     setup_started: float | None = None
     connected_at: float | None = None
-    recovery: int = 0  # the regression floor the connected session's subscription carried (`Connected.recovery`)
+    own_upto: int = 0  # how far the connected session asked for this node's own writes back (`Connected.own_upto`)
     disconnected_at: float | None = None
     last_progress_at: float | None = None
     last_received_seq: int = 0

@@ -162,10 +162,10 @@ class Connected(msgspec.Struct, tag="connected", kw_only=True):
     worker: int
     session: int
     peer_head_seq: int = 0
-    # The regression floor the session's subscription carried (`Subscribe.recovery`): a session set up before the
-    # latest regression asked for less of this node's own writes than the file now lacks, and cannot serve its
-    # recovery (`coordinator.recovery`).
-    recovery: int = 0
+    # How far the session asked the peer to serve this node's own writes back (`wire.Subscribe.own_upto`, read from
+    # the file as the session began): a session that asked for less than the file's latest regression floor cannot
+    # serve its recovery (`coordinator.recovery`).
+    own_upto: int = 0
 
 
 class Disconnected(msgspec.Struct, tag="disconnected", kw_only=True):

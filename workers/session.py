@@ -431,7 +431,6 @@ class PeerSession:
         # Our own writes come back only from a file that lost them, and only those made before it began.
         own_upto = db.own_history().asks
         self._own_upto = own_upto
-        recovery = self.sub.recovery  # the floor this ask was made for; a regression below may raise it
         await frames.send(
             ws,
             wire.Subscribe(database=self.database, progress=progress, exclude=self.sub.exclude, own_upto=own_upto),
@@ -462,7 +461,7 @@ class PeerSession:
                 worker=ctx.worker_id,
                 session=session,
                 peer_head_seq=schema.head_seq,
-                recovery=recovery,
+                own_upto=own_upto,
             )
         )
         self._report_progress(session, force=True)

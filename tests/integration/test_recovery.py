@@ -43,10 +43,10 @@ async def test_a_wiped_data_directory_is_recovered_own_records_included(make_clu
 
         async def recovered() -> dict | None:
             _, body = await cluster.admin("c", "/status")
-            state = body["recovery"].get(DATABASE, {})
-            return body if state.get("state") == "recovered" else None
+            states = [body["recovery"].get(name, {}).get("state") for name in (DATABASE, "other")]
+            return body if states == ["recovered", "recovered"] else None
 
-        body = await wait_for(recovered, 60, "c's recovery of the database finished")
+        body = await wait_for(recovered, 60, "c's recovery of both databases finished")
         assert body["recovery"][DATABASE]["records"] >= 900
         events = {e["database"]: e for e in cluster["c"].events("database_recovered")}
         assert events[DATABASE]["records"] >= 900 and "other" in events

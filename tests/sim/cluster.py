@@ -598,9 +598,8 @@ class Cluster:
         progress = target.progress()
         exclude = node.exclude(pair.database, peer.name)
         own_upto = target.own_history().asks
-        # The floor the subscription was made for (`Subscribe.recovery`): a regression found below raises the
-        # node's, and this session, asking for less, no longer serves the recovery; it is renewed.
-        recovery = node.recoveries.floor(pair.database)
+        # A regression found below raises the node's floor: this session, asking for less, no longer serves the
+        # recovery (`Connected.own_upto`), and it is renewed.
         node.renew.discard((peer.name, pair.database))
         settings = self.settings
         # The sender: the subscriber's claim on the sender's own origin, as `Sender._check_regression` checks it.
@@ -624,7 +623,7 @@ class Cluster:
         pair.connected = True
         pair.caught_up = False
         pair.connected_at = self.loop.time()
-        pair.recovery = recovery
+        pair.own_upto = own_upto
         pair.note_ahead({}, self.loop.time())  # a new session's first report: nothing seen ahead yet
         node.router.report(pair.database, peer.name, up=True)
         if behind and isinstance(target, Database) and not target.is_empty():

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 from replicator.coordinator.recovery import Phase, Recoveries
+from replicator.shared.hlc import MAX_VERSION
 
 
 @dataclass
@@ -16,12 +17,12 @@ class Pair:
     connected: bool = False
     caught_up: bool = False
     connected_at: float | None = None
-    recovery: int = 0  # the regression floor the session's subscription carried
+    own_upto: int = 0  # how far the session asked for the own writes back
     peer_recovering: bool = False
 
 
-def served(at: float, *, recovering: bool = False, floor: int = 0) -> Pair:
-    return Pair(connected=True, caught_up=True, connected_at=at, recovery=floor, peer_recovering=recovering)
+def served(at: float, *, recovering: bool = False, asked: int = 0) -> Pair:
+    return Pair(connected=True, caught_up=True, connected_at=at, own_upto=asked, peer_recovering=recovering)
 
 
 def test_a_recovery_waits_for_every_pair_down_and_never_dialled_included() -> None:
@@ -99,19 +100,24 @@ def test_a_regression_starts_it_again_and_every_pair_must_serve_again() -> None:
     assert not recoveries.ready("d", {"b": served(1.0)}, holders=lambda: ["b"], registry_trusted=True)
     assert not recoveries.regressed("d", 700, wall=7.0, now=21.0)  # not above the known floor
     assert recoveries.regressed("d", 800, wall=7.0, now=22.0)
-    assert recoveries.ready("d", {"b": served(22.0, floor=800)}, holders=lambda: ["b"], registry_trusted=True)
+    assert recoveries.ready("d", {"b": served(22.0, asked=800)}, holders=lambda: ["b"], registry_trusted=True)
 
 
 def test_the_session_that_found_the_regression_does_not_serve_it() -> None:
     """The file is found gone back in time in a session's handshake: that session reports connected after the
-    regression, but it asked for the own writes up to the floor before. Only one subscribed for the new floor serves
-    the recovery, however the reports are ordered."""
+    regression, but it asked for the own writes up to the floor before. Only one that asked up to the new floor
+    serves the recovery, however the reports are ordered; an unknown file's session asks for all of them."""
     recoveries = Recoveries()
     assert recoveries.regressed("d", 700, wall=6.0, now=20.0)
-    found_it = served(20.5)  # subscribed before the regression: its subscription carried floor 0
+    found_it = served(20.5)  # it asked for none of the own writes: the file was not recovering when it began
     assert not recoveries.ready("d", {"b": found_it}, holders=lambda: ["b"], registry_trusted=True)
     assert recoveries.waiting_for("d", ["b"]) == ["b"]
-    assert recoveries.ready("d", {"b": served(21.0, floor=700)}, holders=lambda: ["b"], registry_trusted=True)
+    assert recoveries.ready("d", {"b": served(21.0, asked=700)}, holders=lambda: ["b"], registry_trusted=True)
+
+    recoveries.begin("unknown", wall=0.0, now=0.0)  # a wiped node's file asks for every own write there is
+    assert recoveries.regressed("unknown", 700, wall=6.0, now=20.0)
+    everything = served(20.5, asked=MAX_VERSION)
+    assert recoveries.ready("unknown", {"b": everything}, holders=lambda: ["b"], registry_trusted=True)
 
 
 def test_a_forgotten_database_has_no_recovery_and_transitions_are_checked() -> None:
