@@ -378,7 +378,9 @@ async def test_a_frame_of_exactly_the_limit_passes_and_one_byte_more_closes_with
 
         async def counted() -> bool:
             """Each refusal counted: the inbound one, and at least the first of a's sessions with mallet."""
-            async with cluster.http.get(cluster["a"].admin_url + "/metrics") as response:
+            async with cluster.http.get(
+                cluster["a"].admin_url + "/metrics", headers=cluster["a"].admin_headers
+            ) as response:
                 text = await response.text()
             found = re.search(r'^replicator_frames_refused_total\{peer="mallet"\} (\S+)$', text, re.M)
             return found is not None and float(found.group(1)) >= 2
