@@ -45,7 +45,7 @@ from replicator.shared import config as config_module
 from replicator.shared import memory
 from replicator.shared.histograms import BATCH_APPLY_SECONDS, BUCKETS
 from replicator.shared.logs import log
-from replicator.shared.messages import CounterDelta, HistogramDelta
+from replicator.shared.messages import ROUND_LIMITS, CounterDelta, HistogramDelta
 from replicator.shared.tls import TlsConfigError, ca_certificates, certificate_chain, issued_by_any
 
 if TYPE_CHECKING:
@@ -76,6 +76,7 @@ ANTIENTROPY_COUNTERS = (
     "replicator_antientropy_failures_total",
     "replicator_antientropy_records_repaired_total",
 )
+ANTIENTROPY_LIMITS = "replicator_antientropy_limits_exceeded_total"  # one zero series per pair and ROUND_LIMITS
 
 # Counters fed by the workers' increments: name -> (help, label names).
 FED_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -147,6 +148,11 @@ ROUND_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "replicator_antientropy_records_repaired_total": (
         "Records anti-entropy changed on this node: pulled from the peer, or damaged ones removed",
         ("peer", "database"),
+    ),
+    "replicator_antientropy_limits_exceeded_total": (
+        "Anti-entropy rounds that failed because the peer's answers took them past one of their limits"
+        " (frontier, queries, bytes, time, answer)",
+        ("peer", "database", "limit"),
     ),
 }
 # The series each wanted peer, each wanted (peer, database) pair and each held database shows from the start, at 0,
@@ -225,6 +231,9 @@ class Metrics:
         if repaired > 0:
             self._counters.inc("replicator_antientropy_records_repaired_total", (peer, database), repaired)
 
+    def antientropy_limit(self, peer: str, database: str, limit: str) -> None:
+        self._counters.inc("replicator_antientropy_limits_exceeded_total", (peer, database, limit), 1.0)
+
     def checksum_failures(self, database: str, count: int) -> None:
         if count > 0:
             self._counters.inc("replicator_checksum_failures_total", (database,), count)
@@ -259,7 +268,9 @@ class Metrics:
     def _zero_counters(self) -> Series:
         """Every wanted pair has its counters from the start, at 0, so rate() works before the first record; and
         every held database its failure counters."""
-        shown: Series = {name: set() for name in (*PEER_COUNTERS, *PAIR_COUNTERS, *ANTIENTROPY_COUNTERS)}
+        shown: Series = {
+            name: set() for name in (*PEER_COUNTERS, *PAIR_COUNTERS, *ANTIENTROPY_COUNTERS, ANTIENTROPY_LIMITS)
+        }
         for entry in self._node.map:
             for name in PEER_COUNTERS:
                 shown[name].add((entry.peer,))
@@ -268,6 +279,8 @@ class Metrics:
                     shown[name].add((database, entry.peer))
                 for name in ANTIENTROPY_COUNTERS:
                     shown[name].add((entry.peer, database))
+                for limit in ROUND_LIMITS:
+                    shown[ANTIENTROPY_LIMITS].add((entry.peer, database, limit))
         held = {(database,) for database in self._node.holds}
         shown.update((name, held) for name in DATABASE_COUNTERS)
         return shown
