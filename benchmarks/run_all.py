@@ -99,6 +99,20 @@ BENCHES = [
         quick=["--quick"],
     ),
     Bench(
+        "antientropy_hostile",
+        "antientropy_hostile.py",
+        "a hostile peer's costliest anti-entropy queries and answers: loop stall, memory, against a baseline",
+        quick=["--quick"],
+        headline=[
+            "summary.current.largest_stall_ms",
+            "summary.current.largest_rss_growth_mb",
+            "summary.current.hostile_rounds_ended",
+            "summary.baseline.largest_stall_ms",
+            "summary.baseline.largest_rss_growth_mb",
+            "summary.targets_met",
+        ],
+    ),
+    Bench(
         "catchup",
         "catchup.py",
         "a node catching up after an outage, records and blobs, against the raw ceiling",

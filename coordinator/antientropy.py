@@ -5,7 +5,9 @@ node's own files.
             connected, `messages.AntiEntropy` goes to the worker whose session carries the pair (that worker runs
             the round, see `workers.antientropy`), and the answer, `messages.AntiEntropyDone` with the same round
             number, is recorded, counted and logged. A round that does not answer within `round_timeout` counts
-            as failed; a late answer is then stale and ignored. Either way the next round is drawn.
+            as failed; a late answer is then stale and ignored. Either way the next round is drawn. A round that
+            failed on one of its limits (`AntiEntropyDone.limit`: a peer whose answers went past them) puts the
+            pair on a penalty schedule, a delay doubling up to MAX_PENALTY_INTERVALS, until a round ends well.
     scrub   per held database, a pass over every row on the coordinator's own store connection: checksums and
             buckets (`Database.scrub`, in chunks paced at `replication.scrub_rate`), then the bucket digests
             recounted (`Database.check_digests`). Passes run one at a time, so the rate bounds the node's total.
@@ -31,6 +33,12 @@ from replicator.shared.backoff import Backoff
 from replicator.shared.logs import log
 
 MIN_ROUND_TIMEOUT = 60.0
+# A worker ends its round (failed, limit "time") at this share of the round timeout, so that its answer arrives
+# while the round is still waited for.
+ROUND_BUDGET = 0.9
+# A round that failed on one of its limits (a peer whose answers went past them) is not tried again soon: the
+# pair's next round comes after a doubling delay, at most this many intervals, and no run_soon starts one meanwhile.
+MAX_PENALTY_INTERVALS = 8.0
 SCRUB_CHUNK = 1000  # rows per Database.scrub call; the pace between chunks is SCRUB_CHUNK / scrub_rate
 FIRST_SCRUB_DELAY = 1.0  # after the node is ready: a damaged file is found at boot, not an interval later
 
@@ -50,6 +58,8 @@ class RoundReport:
     repaired: int = 0
     bytes: int = 0
     error: str = ""
+    limit: str = ""  # the round failed on this one of its limits (messages.ROUND_LIMITS)
+    queries: int = 0
 
     def status(self) -> dict[str, Any]:
         """The pair's `antientropy` field in /status."""
@@ -60,7 +70,9 @@ class RoundReport:
             "divergent_buckets": self.divergent_buckets,
             "repaired": self.repaired,
             "bytes": self.bytes,
+            "queries": self.queries,
             "error": self.error or None,
+            "limit": self.limit or None,
         }
 
     def summary(self) -> dict[str, Any]:
@@ -72,8 +84,10 @@ class RoundReport:
             "divergent_buckets": self.divergent_buckets,
             "repaired": self.repaired,
             "bytes": self.bytes,
+            "queries": self.queries,
             "seconds": self.seconds,
             "error": self.error or None,
+            "limit": self.limit or None,
         }
 
 
@@ -116,6 +130,8 @@ class _Schedule:
     waiters: list[asyncio.Future[RoundReport]] = field(default_factory=list)
     last: RoundReport | None = None
     completed: RoundReport | None = None  # the last round that ended without an error
+    # Since a round failed on one of its limits, until one does not: the longer schedule the pair waits on.
+    penalty: Backoff | None = None
 
 
 @dataclass(eq=False)
@@ -172,6 +188,19 @@ class AntiEntropy:
             clock=self._loop.time,
         )
 
+    def _penalty(self) -> Backoff:
+        """After rounds that failed on a limit: [interval/2, interval), then doubling up to MAX_PENALTY_INTERVALS."""
+        interval = self._interval
+        return Backoff(
+            initial=interval,
+            maximum=interval * MAX_PENALTY_INTERVALS,
+            floor=interval / 2,
+            factor=2.0,
+            jitter="equal",
+            rng=self._rng,
+            clock=self._loop.time,
+        )
+
     @staticmethod
     def _draw(backoff: Backoff) -> float:
         delay = backoff.next_delay()
@@ -219,7 +248,7 @@ class AntiEntropy:
             schedule.worker = None
 
     def _wait(self, schedule: _Schedule) -> None:
-        delay = self._draw(schedule.backoff)
+        delay = self._draw(schedule.penalty if schedule.penalty is not None else schedule.backoff)
         self._enter(schedule, Phase.WAITING, self._loop.call_later(delay, self._fire, schedule))
 
     def _fire(self, schedule: _Schedule) -> None:
@@ -245,7 +274,9 @@ class AntiEntropy:
             return False
         self._rounds += 1
         number = self._rounds
-        message = messages.AntiEntropy(key=schedule.key, database=schedule.database, round=number)
+        message = messages.AntiEntropy(
+            key=schedule.key, database=schedule.database, round=number, timeout=self.round_timeout * ROUND_BUDGET
+        )
         if not supervisor.send(pair.worker, message):
             return False
         self._enter(
@@ -272,6 +303,8 @@ class AntiEntropy:
             repaired=message.repaired,
             bytes=message.bytes_exchanged,
             error=message.error,
+            limit=message.limit if message.limit in messages.ROUND_LIMITS else "",
+            queries=message.queries,
         )
         self._finish(schedule, report)
 
@@ -305,12 +338,20 @@ class AntiEntropy:
                 records=report.repaired,
                 buckets=report.divergent_buckets,
             )
+        if report.limit:
+            self._node.metrics.antientropy_limit(report.peer, report.database, report.limit)
+            if schedule.penalty is None:
+                schedule.penalty = self._penalty()
+        else:
+            schedule.penalty = None
         if report.error:
             log.warning(
                 "antientropy_failed",
                 peer=report.peer,
                 database=report.database,
                 error=report.error[:500],
+                limit=report.limit or None,
+                queries=report.queries,
                 sample_by=("peer", "database"),
             )
         waiters, schedule.waiters = schedule.waiters, []
@@ -332,6 +373,17 @@ class AntiEntropy:
         what no stream will ever correct. True when a round started; one already running is left to finish."""
         schedule = self._schedules.get((key, database))
         if schedule is None or schedule.phase is not Phase.WAITING:
+            return False
+        if schedule.penalty is not None:
+            # Its last round failed on a limit: a peer that keeps asking for rounds gets them on the penalty's schedule.
+            log.info(
+                "antientropy_requested",
+                peer=schedule.peer,
+                database=database,
+                reason=reason,
+                started=False,
+                backing_off=True,
+            )
             return False
         started = self._start(schedule)
         log.info("antientropy_requested", peer=schedule.peer, database=database, reason=reason, started=started)
@@ -488,6 +540,8 @@ class AntiEntropy:
         self._interval = interval
         for schedule in self._schedules.values():
             schedule.backoff = self._backoff()
+            if schedule.penalty is not None:
+                schedule.penalty = self._penalty()
             if schedule.phase is Phase.WAITING:
                 self._wait(schedule)
         for state in self._scrubs.values():

@@ -48,7 +48,7 @@ from replicator.shared import config as config_module
 from replicator.shared import memory
 from replicator.shared.histograms import BATCH_APPLY_SECONDS, BUCKETS
 from replicator.shared.logs import log
-from replicator.shared.messages import CounterDelta, HistogramDelta
+from replicator.shared.messages import ROUND_LIMITS, CounterDelta, HistogramDelta
 from replicator.shared.tls import TlsConfigError, ca_certificates, certificate_chain, issued_by_any
 
 if TYPE_CHECKING:
@@ -153,6 +153,11 @@ ROUND_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
         "Records anti-entropy changed on this node: pulled from the peer, or damaged ones removed",
         ("peer", "database"),
     ),
+    "replicator_antientropy_limits_exceeded_total": (
+        "Anti-entropy rounds that failed because the peer's answers took them past one of their limits"
+        " (frontier, queries, bytes, time, answer)",
+        ("peer", "database", "limit"),
+    ),
 }
 # Counters of the coordinator's admin port (coordinator.admin_access, coordinator.admin_site); every reason at 0
 # from the start.
@@ -171,6 +176,7 @@ class Known(enum.Enum):
     PEERS = ("peer",)  # each wanted peer: the replication map, built from the registry and the config's [[peers]]
     DATABASES = ("database",)  # each database the node holds
     PAIRS = ("peer", "database")  # each wanted (peer, database) pair
+    PAIR_LIMITS = ("peer", "database", "limit")  # each wanted pair with each of messages.ROUND_LIMITS
 
 
 # Every counter shown at 0 before its first event, and what for: the node's known peers, databases or pairs, or
@@ -196,6 +202,7 @@ ZERO_SERIES: dict[str, Known | tuple[str, ...]] = {
     "replicator_records_sent_total": Known.PAIRS,
     "replicator_antientropy_rounds_total": Known.PAIRS,
     "replicator_antientropy_failures_total": Known.PAIRS,
+    "replicator_antientropy_limits_exceeded_total": Known.PAIR_LIMITS,
     "replicator_blobs_missing_total": Known.DATABASES,
     "replicator_log_events_suppressed_total": SAMPLED_EVENTS,
     "replicator_connections_refused_total": CONNECTION_LIMITS,
@@ -289,6 +296,9 @@ class Metrics:
         if repaired > 0:
             self._counters.inc("replicator_antientropy_records_repaired_total", (peer, database), repaired)
 
+    def antientropy_limit(self, peer: str, database: str, limit: str) -> None:
+        self._counters.inc("replicator_antientropy_limits_exceeded_total", (peer, database, limit), 1.0)
+
     def checksum_failures(self, database: str, count: int) -> None:
         if count > 0:
             self._counters.inc("replicator_checksum_failures_total", (database,), count)
@@ -327,6 +337,7 @@ class Metrics:
         for entry in self._node.map:
             known[Known.PEERS].add((entry.peer,))
             known[Known.PAIRS].update((entry.peer, database) for database in entry.pairs)
+        known[Known.PAIR_LIMITS] = {(*pair, limit) for pair in known[Known.PAIRS] for limit in ROUND_LIMITS}
         known[Known.DATABASES] = {(database,) for database in self._node.holds}
         shown: Series = {}
         for name, source in ZERO_SERIES.items():

@@ -121,15 +121,15 @@ def children_from_buckets(buckets: dict[int, Digest], level: int, node: int) -> 
     return [(c, x) for c, x in children]
 
 
-def children_from_rows(rows: Iterable[tuple[str, int, int]], level: int, node: int) -> list[Digest]:
-    """The FANOUT children of a node at `level` >= STORED_LEVEL, from its bucket's rows as (id, bucket, stored
-    checksum)."""
-    children = [[0, 0] for _ in range(FANOUT)]
+def add_children(rows: Iterable[tuple[str, int, int]], level: int, cells: dict[int, list[list[int]]]) -> None:
+    """Add rows of one bucket, as (id, bucket, stored checksum), to the FANOUT children of the nodes at `level` >=
+    STORED_LEVEL that `cells` holds (each a list of [count, xor]): the children of every asked node of a bucket
+    in one pass over its rows."""
     for record_id, bucket, stored in rows:
         child_path = path(bucket, record_id, level + 1)
-        if child_path >> FANOUT_BITS != node:
+        children = cells.get(child_path >> FANOUT_BITS)
+        if children is None:
             continue
         child = children[child_path & (FANOUT - 1)]
         child[0] += 1
         child[1] ^= stored
-    return [(c, x) for c, x in children]

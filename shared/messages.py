@@ -64,6 +64,7 @@ class AntiEntropy(msgspec.Struct, tag="antientropy", kw_only=True):
     key: str
     database: str
     round: int  # the coordinator's round number, echoed in AntiEntropyDone
+    timeout: float = 0.0  # the round ends (failed, limit "time") this long after it starts; 0: no deadline
 
 
 class Reconfigure(msgspec.Struct, tag="reconfigure", kw_only=True):
@@ -259,6 +260,11 @@ class PeerHolds(msgspec.Struct, tag="peer_holds", kw_only=True):
     complete: dict[str, int]
 
 
+# The limits an anti-entropy round can fail on (workers.antientropy.Limits): tree nodes pending in one table, queries,
+# bytes and time of the round, and an answer past its caps or not of its shape.
+ROUND_LIMITS = ("frontier", "queries", "bytes", "time", "answer")
+
+
 class AntiEntropyDone(msgspec.Struct, tag="antientropy_done", kw_only=True):
     key: str
     database: str
@@ -268,8 +274,10 @@ class AntiEntropyDone(msgspec.Struct, tag="antientropy_done", kw_only=True):
     divergent_buckets: int = 0  # stored buckets (level 3) that differed
     repaired: int = 0  # records this node changed: pulled, or damaged ones removed
     bytes_exchanged: int = 0  # request and reply bodies
+    queries: int = 0  # asked of the peer
     seconds: float = 0.0
     error: str = ""  # the round did not finish: why
+    limit: str = ""  # it failed on one of ROUND_LIMITS: which
 
 
 class BlobFailure(msgspec.Struct, kw_only=True):

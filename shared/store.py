@@ -89,6 +89,11 @@ _PRUNE_CHUNK = 20_000
 # The page cache of a connection to an idle database (`Database.trim`). Below 3 pages SQLite does not allocate the
 # first 20 at once (SQLITE_DEFAULT_PCACHE_INITSZ).
 LEAN_CACHE_PAGES = 2
+# What anti-entropy reads per hold of a connection (`children`, `summaries`): ids and checksums by the chunk, values
+# fewer at a time (one may be a quarter of max_frame_bytes). Between holds a thread answering a peer lets the event
+# loop's own reads of the file in.
+SCAN_CHUNK = 512
+VERIFY_CHUNK = 32
 
 SCHEMA_VERSION = 5
 # Before version 4 rows carried no checksums: such a file's rows are checksummed from what they hold (`_add_digests`).
@@ -194,6 +199,10 @@ class DamagedRecord(Exception):
         self.table = table
         self.id = record_id
         self.newly = newly  # this call found it (count it once), rather than one before
+
+
+class ScanLimit(Exception):
+    """An anti-entropy read met more rows than its caller allows: the nodes asked for hold too many at once."""
 
 
 class UnknownDatabase(LookupError):
@@ -1375,71 +1384,184 @@ class Database:
                 cell[1] ^= xor
         return {table: (count, xor) for table, (count, xor) in result.items()}
 
-    def children(self, table: str, level: int, prefixes: list[int]) -> list[list[digests.Digest]]:
-        """For each node (level, prefix) of a table's tree, the digests of its FANOUT children."""
+    def rows_under(self, table: str, level: int, prefixes: list[int]) -> int:
+        """How many rows the bucket digests count where a query of these nodes reads: under each node of a level
+        up to the stored buckets, the whole bucket of each one below (counted once per bucket). What a `children`
+        or `summaries` call of the nodes will read, known before reading it (rows written behind the node's back
+        are counted only once the scrub recounts their bucket; the scans enforce their limits themselves)."""
+        with self._lock:
+            conn = self._conn
+            if level <= digests.STORED_LEVEL:
+                return sum(
+                    conn.execute(
+                        "SELECT coalesce(sum(count), 0) FROM digests WHERE tbl = ? AND bucket >= ? AND bucket < ?",
+                        (table, *digests.bucket_range(level, prefix)),
+                    ).fetchone()[0]
+                    for prefix in prefixes
+                )
+            return sum(
+                conn.execute(
+                    "SELECT coalesce(sum(count), 0) FROM digests WHERE tbl = ? AND bucket = ?", (table, bucket)
+                ).fetchone()[0]
+                for bucket in {digests.bucket_above(level, prefix) for prefix in prefixes}
+            )
+
+    def _bucket_chunks(self, table: str, low: int, high: int, columns: str, chunk: int) -> Iterator[list[tuple]]:
+        """The rows of buckets [low, high) of a table as lists of at most `chunk` rows, each list read under its own
+        hold of the connection: a thread answering a peer lets the event loop's own reads of the file in between
+        (the rows of one answer need not come from one snapshot; each is a state the row had). The first column
+        of `columns` must be the rowid."""
+        bucket: int | None = low
+        after = 0
+        while bucket is not None:
+            with self._read() as conn:
+                rows = conn.execute(
+                    f"SELECT {columns} FROM records WHERE tbl = ? AND bucket = ? AND rowid > ? ORDER BY rowid LIMIT ?",
+                    (table, bucket, after, chunk),
+                ).fetchall()
+                if len(rows) < chunk:
+                    after = 0
+                    bucket = conn.execute(
+                        "SELECT min(bucket) FROM records WHERE tbl = ? AND bucket > ? AND bucket < ?",
+                        (table, bucket, high),
+                    ).fetchone()[0]
+                else:
+                    after = rows[-1][0]
+            if rows:
+                yield rows
+
+    def children(
+        self, table: str, level: int, prefixes: list[int], scan_limit: int | None = None
+    ) -> list[list[digests.Digest]]:
+        """For each node (level, prefix) of a table's tree, the digests of its FANOUT children. Below the stored
+        buckets they are computed from the rows of each bucket that holds a node, read once per bucket; past
+        `scan_limit` rows read, `ScanLimit`."""
         if not 0 <= level < digests.MAX_LEVEL:
             raise ValueError(f"level {level} has no children")
-        with self._read() as conn:
-            if level < digests.STORED_LEVEL:
+        if level < digests.STORED_LEVEL:
+            with self._read() as conn:
                 rows = conn.execute(
                     "SELECT bucket, count, xor FROM digests WHERE tbl = ? AND bucket >= 0 AND count > 0", (table,)
                 )
                 buckets = {bucket: (count, xor) for bucket, count, xor in rows}
-                return [digests.children_from_buckets(buckets, level, prefix) for prefix in prefixes]
-            result = []
-            for prefix in prefixes:
-                rows = conn.execute(
-                    "SELECT id, bucket, coalesce(checksum, 0) FROM records WHERE tbl = ? AND bucket = ?",
-                    (table, digests.bucket_above(level, prefix)),
-                ).fetchall()
-                result.append(digests.children_from_rows(rows, level, prefix))
-            return result
+            return [digests.children_from_buckets(buckets, level, prefix) for prefix in prefixes]
+        by_bucket: dict[int, set[int]] = {}
+        for prefix in prefixes:
+            by_bucket.setdefault(digests.bucket_above(level, prefix), set()).add(prefix)
+        found: dict[int, list[digests.Digest]] = {}
+        scanned = 0
+        for bucket, nodes in by_bucket.items():
+            chunks = self._bucket_chunks(
+                table, bucket, bucket + 1, "rowid, id, bucket, coalesce(checksum, 0)", SCAN_CHUNK
+            )
+            cells = {node: [[0, 0] for _ in range(digests.FANOUT)] for node in nodes}
+            for chunk in chunks:
+                scanned += len(chunk)
+                if scan_limit is not None and scanned > scan_limit:
+                    raise ScanLimit(f"more than {scan_limit} rows to read under these nodes")
+                digests.add_children((row[1:] for row in chunk), level, cells)
+            found.update((node, [(c, x) for c, x in children]) for node, children in cells.items())
+        return [found[prefix] for prefix in prefixes]
 
-    def summaries(self, table: str, level: int, prefixes: list[int]) -> list[tuple[str, int, str, bool, int | None]]:
+    def summaries(
+        self,
+        table: str,
+        level: int,
+        prefixes: list[int],
+        limit: int | None = None,
+        scan_limit: int | None = None,
+    ) -> list[tuple[str, int, str, bool, int | None]]:
         """The rows under the nodes (level, prefix) of a table's tree as (id, version, origin, tombstone,
-        checksum), each verified first: a damaged row is marked and reported with checksum None."""
-        with self._read() as conn:
-            rows: list[tuple] = []
+        checksum), each verified first: a damaged row is marked and reported with checksum None. More than `limit`
+        rows, or (below the stored buckets) more than `scan_limit` rows of their buckets read: `ScanLimit`. Values
+        are read and verified VERIFY_CHUNK rows at a time, only those of the rows returned. Each id comes once (a row
+        written again between two chunks may be read twice: the later read stands)."""
+        result: dict[str, tuple[str, int, str, bool, int | None]] = {}
+        damaged: list[tuple] = []
+
+        def verify(chunk: list[tuple]) -> None:
+            for row in chunk:
+                checked = row[1:8]
+                stored = checked[6]
+                if not _intact(checked):
+                    damaged.append((*checked[:2], None, *checked[3:]))  # the value is not needed to mark it
+                    stored = None
+                result[checked[1]] = (checked[1], checked[3], checked[4], bool(checked[5]), stored)
+                if limit is not None and len(result) > limit:
+                    raise ScanLimit(f"more than {limit} rows under these nodes")
+
+        if level <= digests.STORED_LEVEL:
             for prefix in prefixes:
-                if level <= digests.STORED_LEVEL:
-                    low, high = digests.bucket_range(level, prefix)
-                    rows.extend(
-                        conn.execute(
-                            f"SELECT {_CHECKED} FROM records WHERE tbl = ? AND bucket >= ? AND bucket < ?",
-                            (table, low, high),
-                        )
+                low, high = digests.bucket_range(level, prefix)
+                for chunk in self._bucket_chunks(table, low, high, f"rowid, {_CHECKED}", VERIFY_CHUNK):
+                    verify(chunk)
+        else:
+            by_bucket: dict[int, set[int]] = {}
+            for prefix in prefixes:
+                by_bucket.setdefault(digests.bucket_above(level, prefix), set()).add(prefix)
+            scanned = 0
+            for bucket, nodes in by_bucket.items():
+                matching: list[int] = []
+                for chunk in self._bucket_chunks(table, bucket, bucket + 1, "rowid, id", SCAN_CHUNK):
+                    scanned += len(chunk)
+                    if scan_limit is not None and scanned > scan_limit:
+                        raise ScanLimit(f"more than {scan_limit} rows to read under these nodes")
+                    matching.extend(
+                        rowid for rowid, record_id in chunk if digests.path(bucket, record_id, level) in nodes
                     )
-                else:
-                    candidates = conn.execute(
-                        f"SELECT {_CHECKED} FROM records WHERE tbl = ? AND bucket = ?",
-                        (table, digests.bucket_above(level, prefix)),
+                    if limit is not None and len(result) + len(matching) > limit:
+                        raise ScanLimit(f"more than {limit} rows under these nodes")
+                for start in range(0, len(matching), VERIFY_CHUNK):
+                    rowids = matching[start : start + VERIFY_CHUNK]
+                    marks = ", ".join("?" * len(rowids))
+                    with self._read() as conn:
+                        rows = conn.execute(
+                            f"SELECT rowid, {_CHECKED}, bucket FROM records WHERE rowid IN ({marks})", rowids
+                        ).fetchall()
+                    # A row replaced or moved since the scan read its id is left out, as if read before.
+                    verify(
+                        [
+                            row[:8]
+                            for row in rows
+                            if row[1] == table and row[8] == bucket and digests.path(bucket, row[2], level) in nodes
+                        ]
                     )
-                    bucket = digests.bucket_above(level, prefix)
-                    rows.extend(row for row in candidates if digests.path(bucket, row[1], level) == prefix)
-        damaged = [row for row in rows if not _intact(row)]
         if damaged:
             self._damaged(damaged)
-        bad = {row[1] for row in damaged}
-        return [(row[1], row[3], row[4], bool(row[5]), None if row[1] in bad else row[6]) for row in rows]
+        return list(result.values())
 
     def fetch(self, table: str, ids: list[str]) -> tuple[list[Entry], list[str]]:
         """The records (tombstones included) of `ids` that are held and intact, and the ids found damaged."""
+        entries, damaged, _ = self.fetch_within(table, ids, None)
+        return entries, damaged
+
+    def fetch_within(self, table: str, ids: list[str], budget: int | None) -> tuple[list[Entry], list[str], list[str]]:
+        """`fetch` within a budget of bytes (ids and values): the records it serves stop before the one that would
+        take them past it, the first excepted, and the ids not looked at come back third, in order, for a next
+        call. Each record is read under its own hold of the connection."""
         entries: list[Entry] = []
         damaged: list[tuple] = []
-        with self._lock:
-            for record_id in ids:
+        size = 0
+        left: list[str] = []
+        for index, record_id in enumerate(ids):
+            with self._lock:
                 row = self._conn.execute(
                     f"SELECT {_CHECKED} FROM records WHERE tbl = ? AND id = ?", (table, record_id)
                 ).fetchone()
-                if row is None:
-                    continue
-                if _intact(row):
-                    entries.append(_entry(row))
-                else:
-                    damaged.append(row)
+            if row is None:
+                continue
+            if not _intact(row):
+                damaged.append((*row[:2], None, *row[3:]))
+                continue
+            cost = len(row[1]) + len(row[2])
+            if budget is not None and entries and size + cost > budget:
+                left = ids[index:]
+                break
+            size += cost
+            entries.append(_entry(row))
         if damaged:
             self._damaged(damaged)
-        return entries, [row[1] for row in damaged]
+        return entries, [row[1] for row in damaged], left
 
     def purged(self) -> dict[str, int]:
         """How far each origin's tombstones have been purged here (`purge_tombstones`): every holder had them."""

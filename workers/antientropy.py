@@ -8,7 +8,7 @@ request is one msgpack `Query` and each answer one msgpack reply:
     Roots(database)                          -> RootsReply: every table's root digest
     Children(database, table, level, nodes)  -> ChildrenReply: the 16 child digests of each node
     Rows(database, table, level, nodes)      -> RowsReply: (id, version, origin, tombstone, checksum) under them
-    Fetch(database, table, ids)              -> FetchReply: those records, intact ones only
+    Fetch(database, table, ids)              -> FetchReply: those records, intact ones only (and the ids left)
     State(database)                          -> StateReply: what the peer holds complete and has purged, by origin
 
 The puller compares each table's root, asks for the children of every node that differs, level by level (see
@@ -29,36 +29,63 @@ from the nodes that can decide them to every other holder, in any topology, and 
 Both ends verify every row they compare or serve against its checksum, so a damaged value never travels. Repairs
 are paced at `replication.antientropy_rate` records per second, and the database work is cut into small steps
 between network round trips, so live replication in the same worker keeps its turn.
+
+Every query and every answer has a bounded cost, whoever sends it (issue 21). The serving end answers in a thread,
+a few queries of a peer at a time (`Admission`), and refuses a query that would read or answer more than its caps
+(`answer`); a Fetch answer stops at FETCH_BYTES and names the ids it `left`. The puller keeps its queries within
+those caps and its round within `Limits`: a peer whose answers take it past one fails the round (`RoundLimit`),
+which the coordinator counts and backs off.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import inspect
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Annotated, TypeVar
 
 import msgspec
 
-from replicator.shared import digests, membership, revocation, wire
+from replicator.shared import digests, membership, messages, revocation, wire
 from replicator.shared.config import NAME_RE
 from replicator.shared.hlc import MAX_VERSION
 from replicator.shared.logs import log
-from replicator.shared.store import BadName, BadRecord, Database, check_name
+from replicator.shared.store import BadName, BadRecord, Database, ScanLimit, check_name
 from replicator.shared.wire import Entry
 
 SYSTEM = "system"
 LEAF_ROWS = 16  # a node holding at most this many rows on each side is settled by exchanging its rows
 MAX_NODES = 256  # tree nodes per Children or Rows request
-# Nodes below the stored buckets are computed from the bucket's rows on every ask: fewer per request, so that
-# neither end blocks its event loop for long on one answer.
+# Nodes below the stored buckets are computed from the rows of the bucket that holds them: a query of them reads
+# whole buckets, so fewer go in one, and the puller also keeps the rows of their buckets under SCAN_BATCH.
 MAX_ROW_NODES = 32
-MAX_ROWS = 4096  # expected rows per Rows request
 FETCH_CHUNK = 128  # records per Fetch request (and per apply transaction)
 MAX_IDS = 1024  # ids a peer may ask for in one Fetch
 MAX_QUERY_BYTES = 1024 * 1024
 MAX_ORIGINS = 1024  # origins a State answer may name (as many as a subscription may)
+
+# What one answer may cost the serving end (issue 21: one Rows query of 256 copies of the root read 5 million rows
+# and held a worker's loop 14 s; a Fetch of 1,024 copies of one id answered 205 MB). A query past a cap is refused
+# (BadQuery, a 400 naming it), except a Fetch, which serves what fits and names the ids left for a next one.
+MAX_ROWS = 2 * MAX_NODES * LEAF_ROWS  # rows in one Rows answer: twice what an honest puller asks, for live writes
+MAX_SCAN_ROWS = 65_536  # rows of the buckets one query below the stored level reads (ids and checksums)
+SCAN_BATCH = MAX_SCAN_ROWS // 2  # what the puller holds one such query to, by the bucket counts it has seen
+FETCH_BYTES = 4 * 1024 * 1024  # ids and values one Fetch answer serves (its first record whatever its size)
+# Queries answered at once, in threads: per peer, and per worker over all peers. A peer's further queries wait for
+# a turn (at most WAITING_PER_PEER of them, each at most listen.request_timeout); others are refused with 503.
+QUERIES_PER_PEER = 2
+QUERIES_PER_WORKER = 4
+WAITING_PER_PEER = 64
+
+# What one round may take of the pulling end, whatever the peer answers (issue 21: a peer that said every child
+# differs grew a worker by 1 GB in 150 s over 59,686 queries, and the round never ended). Past one, the round fails
+# naming it (`RoundResult.limit`). An honest round within them repairs a divergence of about a million rows.
+MAX_FRONTIER = 131_072  # tree nodes pending in one table: those not compared yet and those to settle
+MAX_ROUND_QUERIES = 32_768
+MAX_ROUND_BYTES = 4 * 1024**3  # queries and answers together
 
 
 # -- the wire ------------------------------------------------------------------------------------------------
@@ -95,27 +122,39 @@ class State(msgspec.Struct, tag="state", kw_only=True):
 Query = Roots | Children | Rows | Fetch | State
 
 
+# The replies' lengths are capped where they are decoded (msgspec checks a length before it decodes the items): a
+# peer's answer cannot make the puller build more than the caps' worth of objects.
+MAX_TABLES = 65_536  # tables one Roots answer may name
+
+
 class RootsReply(msgspec.Struct, kw_only=True):
-    tables: dict[str, tuple[int, int]]
+    tables: Annotated[dict[str, tuple[int, int]], msgspec.Meta(max_length=MAX_TABLES)]
 
 
 class ChildrenReply(msgspec.Struct, kw_only=True):
-    children: list[list[tuple[int, int]]]
+    children: Annotated[
+        list[Annotated[list[tuple[int, int]], msgspec.Meta(max_length=digests.FANOUT)]],
+        msgspec.Meta(max_length=MAX_NODES),
+    ]
 
 
 class RowsReply(msgspec.Struct, kw_only=True):
     # (id, version, origin, tombstone, checksum); checksum None: damaged on the peer
-    rows: list[tuple[str, int, str, bool, int | None]]
+    rows: Annotated[list[tuple[str, int, str, bool, int | None]], msgspec.Meta(max_length=MAX_ROWS)]
 
 
 class FetchReply(msgspec.Struct, kw_only=True):
-    entries: list[Entry]
-    damaged: list[str] = []
+    entries: Annotated[list[Entry], msgspec.Meta(max_length=MAX_IDS)]
+    damaged: Annotated[list[str], msgspec.Meta(max_length=MAX_IDS)] = []
+    # Ids not looked at, past FETCH_BYTES: the puller asks for them again.
+    left: Annotated[list[str], msgspec.Meta(max_length=MAX_IDS)] = []
 
 
 class StateReply(msgspec.Struct, kw_only=True):
-    complete: dict[str, wire.Count]  # by origin: every version up to it is held (or superseded)
-    purged: dict[str, wire.Count] = {}  # by origin: its tombstones up to it were purged (every holder had them)
+    # By origin: every version up to it is held (or superseded).
+    complete: Annotated[dict[str, wire.Count], msgspec.Meta(max_length=MAX_ORIGINS)]
+    # By origin: its tombstones up to it were purged (every holder had them).
+    purged: Annotated[dict[str, wire.Count], msgspec.Meta(max_length=MAX_ORIGINS)] = {}
 
 
 Reply = RootsReply | ChildrenReply | RowsReply | FetchReply | StateReply
@@ -130,6 +169,15 @@ class BadQuery(ValueError):
 
 class PeerError(Exception):
     """The peer could not answer (unreachable, refused, an answer that does not decode); the round ends."""
+
+
+class RoundLimit(PeerError):
+    """The peer's answers took the round past one of its limits (`messages.ROUND_LIMITS`); the round ends, failed."""
+
+    def __init__(self, limit: str, message: str) -> None:
+        assert limit in messages.ROUND_LIMITS, limit
+        super().__init__(message)
+        self.limit = limit
 
 
 def decode_query(body: bytes) -> Query:
@@ -153,35 +201,170 @@ def decode_query(body: bytes) -> Query:
         width = 1 << (digests.FANOUT_BITS * query.level)
         if any(not 0 <= node < width for node in query.nodes):
             raise BadQuery(f"a node outside level {query.level} of the tree")
-    if isinstance(query, Fetch) and len(query.ids) > MAX_IDS:
-        raise BadQuery(f"{len(query.ids)} ids in one fetch; at most {MAX_IDS}")
+        # A puller asks for each node once; a copy would only make this end read the same rows again.
+        if len(set(query.nodes)) != len(query.nodes):
+            raise BadQuery(f"{len(query.nodes) - len(set(query.nodes))} nodes asked for twice in one query")
+    if isinstance(query, Fetch):
+        if len(query.ids) > MAX_IDS:
+            raise BadQuery(f"{len(query.ids)} ids in one fetch; at most {MAX_IDS}")
+        if len(set(query.ids)) != len(query.ids):
+            raise BadQuery(f"{len(query.ids) - len(set(query.ids))} ids asked for twice in one fetch")
     return query
 
 
 def answer(db: Database, query: Query) -> Reply:
-    """The serving end: one query against this node's copy of the database."""
+    """The serving end: one query against this node's copy of the database, within the caps above (BadQuery past
+    one). Blocking SQLite work, bounded per query: the worker runs it in a thread (`Admission`)."""
     match query:
         case Roots():
             return RootsReply(tables=db.roots())
         case Children(table=table, level=level, nodes=nodes):
-            return ChildrenReply(children=db.children(table, level, nodes))
+            if level >= digests.STORED_LEVEL:
+                _within_scan(db, table, level, nodes)
+            try:
+                return ChildrenReply(children=db.children(table, level, nodes, scan_limit=MAX_SCAN_ROWS))
+            except ScanLimit as exc:
+                raise BadQuery(f"{exc}; ask for fewer nodes") from None
         case Rows(table=table, level=level, nodes=nodes):
-            return RowsReply(rows=db.summaries(table, level, nodes))
+            if level <= digests.STORED_LEVEL:
+                held = db.rows_under(table, level, nodes)
+                if held > MAX_ROWS:
+                    raise BadQuery(
+                        f"{held} rows under these nodes; a Rows answer holds at most {MAX_ROWS}: ask for their children"
+                    )
+            else:
+                _within_scan(db, table, level, nodes)
+            try:
+                return RowsReply(rows=db.summaries(table, level, nodes, limit=MAX_ROWS, scan_limit=MAX_SCAN_ROWS))
+            except ScanLimit as exc:
+                raise BadQuery(f"{exc}; a Rows answer holds at most {MAX_ROWS}: ask for their children") from None
         case Fetch(table=table, ids=ids):
-            entries, damaged = db.fetch(table, ids)
-            return FetchReply(entries=entries, damaged=damaged)
+            entries, damaged, left = db.fetch_within(table, ids, FETCH_BYTES)
+            return FetchReply(entries=entries, damaged=damaged, left=left)
         case State():
             return StateReply(complete=db.progress(), purged=db.purged())
     raise BadQuery(f"unknown query {type(query).__name__}")
+
+
+def _within_scan(db: Database, table: str, level: int, nodes: list[int]) -> None:
+    """Refuse a query below the stored level whose nodes' buckets hold more than MAX_SCAN_ROWS rows, before
+    reading them."""
+    scanned = db.rows_under(table, level, nodes)
+    if scanned > MAX_SCAN_ROWS:
+        raise BadQuery(f"the buckets of these nodes hold {scanned} rows; one query reads at most {MAX_SCAN_ROWS}")
 
 
 def encode(message: msgspec.Struct) -> bytes:
     return _encode(message)
 
 
+def answer_bytes(db: Database, query: Query) -> bytes:
+    """`answer`, encoded: what a thread of the serving end returns."""
+    return _encode(answer(db, query))
+
+
+class Busy(Exception):
+    """No turn to answer the query: its peer has as many queries answered and waiting as allowed, or the wait for a
+    turn ran out."""
+
+
+@dataclass(eq=False)
+class _PeerTurns:
+    semaphore: asyncio.Semaphore
+    users: int = 0  # queries of the peer answering or waiting for a turn
+
+
+class Admission:
+    """Turns to answer peers' queries in a worker: QUERIES_PER_PEER of one peer at once, behind which at most
+    WAITING_PER_PEER wait, and QUERIES_PER_WORKER answered in threads at once over all peers. A turn held by a
+    query whose thread still runs outlasts its request: a peer that drops its queries cannot pile threads up."""
+
+    def __init__(
+        self,
+        *,
+        per_peer: int = QUERIES_PER_PEER,
+        per_worker: int = QUERIES_PER_WORKER,
+        waiting: int = WAITING_PER_PEER,
+        to_thread: Callable[..., Awaitable[bytes]] = asyncio.to_thread,
+    ) -> None:
+        self._per_peer = per_peer
+        self._waiting = waiting
+        self._worker = asyncio.Semaphore(per_worker)
+        self._peers: dict[str, _PeerTurns] = {}
+        self._to_thread = to_thread
+
+    @property
+    def peers(self) -> int:
+        """Peers with a query answering or waiting (the map holds no others)."""
+        return len(self._peers)
+
+    @contextlib.asynccontextmanager
+    async def turn(self, peer: str, wait: float) -> AsyncIterator[Turn]:
+        """The peer's turn, waited for at most `wait` seconds (Busy after that, or at once when too many wait)."""
+        turns = self._peers.get(peer)
+        if turns is None:
+            turns = self._peers[peer] = _PeerTurns(asyncio.Semaphore(self._per_peer))
+        if turns.users >= self._per_peer + self._waiting:
+            raise Busy(f"{turns.users} queries of this peer are answering or waiting; at most {self._per_peer} answer")
+        turns.users += 1
+        turn = Turn(self, peer, turns, wait)
+        try:
+            try:
+                async with asyncio.timeout(wait):
+                    await turns.semaphore.acquire()
+            except TimeoutError:
+                raise Busy(f"no turn within {wait:g} s: {self._per_peer} queries of this peer answer at once") from None
+            turn.held.append(turns.semaphore)
+            yield turn
+        finally:
+            if not turn.handed:
+                turn.release()
+
+    def _left(self, peer: str, turns: _PeerTurns) -> None:
+        turns.users -= 1
+        if not turns.users and self._peers.get(peer) is turns:
+            del self._peers[peer]
+
+
+class Turn:
+    """One query's turn (`Admission.turn`): `run` answers it in a thread under the worker's share too."""
+
+    def __init__(self, admission: Admission, peer: str, turns: _PeerTurns, wait: float) -> None:
+        self._admission = admission
+        self._peer = peer
+        self._turns = turns
+        self._wait = wait
+        self.held: list[asyncio.Semaphore] = []
+        self.handed = False  # the thread releases the turn when it ends
+
+    async def run(self, function: Callable[..., bytes], *args: object) -> bytes:
+        admission = self._admission
+        try:
+            async with asyncio.timeout(self._wait):
+                await admission._worker.acquire()
+        except TimeoutError:
+            raise Busy(f"no turn within {self._wait:g} s: the worker answers other peers' queries") from None
+        self.held.append(admission._worker)
+        call = asyncio.ensure_future(admission._to_thread(function, *args))
+        self.handed = True
+        call.add_done_callback(self._ended)
+        return await asyncio.shield(call)
+
+    def _ended(self, call: asyncio.Future[bytes]) -> None:
+        if not call.cancelled():
+            call.exception()  # retrieved: the request that would raise it may be gone
+        self.release()
+
+    def release(self) -> None:
+        while self.held:
+            self.held.pop().release()
+        self._admission._left(self._peer, self._turns)
+
+
 # -- the pulling end -------------------------------------------------------------------------------------------
 
 _R = TypeVar("_R", bound=msgspec.Struct)
+_T = TypeVar("_T")
 Transport = Callable[[bytes], Awaitable[bytes]]  # one encoded query in, the peer's encoded reply out
 
 
@@ -194,14 +377,27 @@ def local_transport(db: Database) -> Transport:
     return transport
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What one round may take of this node, whatever the peer answers; past one, the round fails naming it."""
+
+    frontier: int = MAX_FRONTIER  # tree nodes pending in one table
+    queries: int = MAX_ROUND_QUERIES
+    bytes: int = MAX_ROUND_BYTES
+    seconds: float | None = None  # the round's deadline from its start (the coordinator's, `AntiEntropy.timeout`)
+
+
 @dataclass
 class RoundResult:
     buckets_compared: int = 0
     divergent_buckets: int = 0
     repaired: int = 0
     bytes_exchanged: int = 0
+    queries: int = 0
     seconds: float = 0.0
     error: str = ""
+    limit: str = ""  # the round failed on this limit (one of messages.ROUND_LIMITS)
+    pending_most: int = 0  # the most tree nodes one table had pending at once
     divergent: set[tuple[str, int]] = field(default_factory=set)  # (table, bucket)
     # Registry rows the peer holds that do not verify here: (name, reason); they are not pulled.
     refused_rows: list[tuple[str, str]] = field(default_factory=list)
@@ -229,9 +425,11 @@ class Round:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         blobs: Callable[[list[Entry]], Awaitable[None]] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        limits: Limits = Limits(),
     ) -> None:
         """`rate`: records repaired per second at most. `ceiling()`: the highest version this node accepts now
-        (its wall clock plus max_clock_skew); a peer's record above it is not pulled."""
+        (its wall clock plus max_clock_skew); a peer's record above it is not pulled. `limits`: what the round may
+        take; a deadline (`limits.seconds`) needs a running event loop."""
         self._db = db
         self._transport = transport
         self._rate = rate
@@ -244,10 +442,17 @@ class Round:
         # Fetches the blobs pulled records refer to (workers.blobs.ensure); PeerError when one cannot be had.
         self._blobs = blobs
         self._clock = clock
+        self._limits = limits
+        self._deadline: float | None = None
+        # The larger side's row count of each stored bucket of the table being compared, as the level above showed
+        # it: what a query of nodes below the bucket costs the peer to answer (`_batches`).
+        self._bucket_rows: dict[int, int] = {}
         self.result = RoundResult()
 
     async def run(self) -> RoundResult:
         started = self._clock()
+        if self._limits.seconds is not None:
+            self._deadline = started + self._limits.seconds
         result = self.result
         try:
             remote = await self._ask(Roots(database=self._db.name), RootsReply)
@@ -260,6 +465,9 @@ class Round:
                     if not NAME_RE.match(table):
                         raise PeerError(f"the peer named a table {table[:70]!r}")
                     await self._table(table, theirs, ours)
+        except RoundLimit as exc:
+            result.error = str(exc)
+            result.limit = exc.limit
         except PeerError as exc:
             result.error = str(exc)
         result.divergent_buckets = len(result.divergent)
@@ -267,27 +475,97 @@ class Round:
         return result
 
     async def _ask(self, query: Query, reply_type: type[_R]) -> _R:
+        result = self.result
+        most = self._limits
+        if result.queries >= most.queries:
+            raise RoundLimit("queries", f"the round asked the peer {result.queries} queries; at most {most.queries}")
+        self._time_left()
+        result.queries += 1
         body = encode(query)
-        self.result.bytes_exchanged += len(body)
-        data = await self._transport(body)
-        self.result.bytes_exchanged += len(data)
+        result.bytes_exchanged += len(body)
+        data = await self._in_time(self._transport(body))
+        result.bytes_exchanged += len(data)
+        if result.bytes_exchanged > most.bytes:
+            raise RoundLimit("bytes", f"the round exchanged {result.bytes_exchanged} bytes; at most {most.bytes}")
         try:
             return msgspec.msgpack.decode(data, type=reply_type)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except msgspec.ValidationError as exc:  # msgpack, but not the answer's shape, or past its caps
+            raise RoundLimit("answer", f"the peer's answer to {type(query).__name__} does not decode: {exc}") from None
+        except msgspec.DecodeError as exc:
             raise PeerError(f"the peer's answer to {type(query).__name__} does not decode: {exc}") from None
+
+    def _time_left(self) -> float | None:
+        """Seconds to the round's deadline (None: it has none); past it, RoundLimit "time"."""
+        if self._deadline is None:
+            return None
+        left = self._deadline - self._clock()
+        if left <= 0:
+            raise RoundLimit("time", f"the round ran past its {self._limits.seconds:g} s")
+        return left
+
+    async def _in_time(self, step: Awaitable[_T]) -> _T:
+        """`step`, cut off at the round's deadline."""
+        try:
+            left = self._time_left()
+        except RoundLimit:
+            if inspect.iscoroutine(step):
+                step.close()  # never started: no "never awaited" warning
+            raise
+        if left is None:
+            return await step
+        try:
+            async with asyncio.timeout(left):
+                return await step
+        except TimeoutError:
+            raise RoundLimit("time", f"the round ran past its {self._limits.seconds:g} s") from None
+
+    def _pending(self, pending: int) -> None:
+        """A table has `pending` tree nodes waiting (its next level's frontier and the nodes to settle)."""
+        self.result.pending_most = max(self.result.pending_most, pending)
+        if pending > self._limits.frontier:
+            raise RoundLimit(
+                "frontier",
+                f"the peer's digests leave {pending} tree nodes of one table pending; at most {self._limits.frontier}",
+            )
+
+    def _batches(self, level: int, nodes: list[int]) -> Iterator[list[int]]:
+        """`nodes` of one level cut into queries, as they are asked: MAX_NODES at a time above the stored buckets;
+        below them at most MAX_ROW_NODES, whose buckets hold at most SCAN_BATCH rows together by the counts seen (a
+        lone node's bucket may hold more: the peer answers it or refuses)."""
+        if level < digests.STORED_LEVEL:
+            for start in range(0, len(nodes), MAX_NODES):
+                yield nodes[start : start + MAX_NODES]
+            return
+        batch: list[int] = []
+        buckets: set[int] = set()
+        rows = 0
+        for node in nodes:
+            bucket = digests.bucket_above(level, node)
+            extra = 0 if bucket in buckets else min(self._bucket_rows.get(bucket, 0), MAX_SCAN_ROWS)
+            if batch and (len(batch) == MAX_ROW_NODES or rows + extra > SCAN_BATCH):
+                yield batch
+                batch, buckets, rows = [], set(), 0
+                extra = min(self._bucket_rows.get(bucket, 0), MAX_SCAN_ROWS)
+            batch.append(node)
+            buckets.add(bucket)
+            rows += extra
+        if batch:
+            yield batch
 
     async def _table(self, table: str, theirs: digests.Digest, ours: digests.Digest) -> None:
         leaves: dict[int, list[int]] = {}
+        settling = 0  # nodes in `leaves`
         frontier = [0]
         level = 0
+        self._bucket_rows = {}
         if max(theirs[0], ours[0]) <= LEAF_ROWS:
             leaves[0] = [0]
+            settling = 1
             frontier = []
         while frontier:
             following: list[int] = []
-            step = MAX_NODES if level < digests.STORED_LEVEL else MAX_ROW_NODES
-            for start in range(0, len(frontier), step):
-                nodes = frontier[start : start + step]
+            asked = 0
+            for nodes in self._batches(level, frontier):
                 remote = await self._ask(
                     Children(database=self._db.name, table=table, level=level, nodes=nodes), ChildrenReply
                 )
@@ -301,18 +579,22 @@ class Round:
                         if theirs_child == our_children[index]:
                             continue
                         child = (node << digests.FANOUT_BITS) | index
-                        small = max(theirs_child[0], our_children[index][0]) <= LEAF_ROWS
-                        if small or level + 1 == digests.MAX_LEVEL:
+                        rows = max(theirs_child[0], our_children[index][0])
+                        if level + 1 == digests.STORED_LEVEL:
+                            self._bucket_rows[child] = rows
+                        if rows <= LEAF_ROWS or level + 1 == digests.MAX_LEVEL:
                             leaves.setdefault(level + 1, []).append(child)
+                            settling += 1
                         else:
                             following.append(child)
+                asked += len(nodes)
+                self._pending(len(frontier) - asked + len(following) + settling)
                 await asyncio.sleep(0)
             frontier = following
             level += 1
         for leaf_level, nodes in sorted(leaves.items()):
-            step = MAX_NODES if leaf_level < digests.STORED_LEVEL else MAX_ROW_NODES
-            for start in range(0, len(nodes), step):
-                await self._settle(table, leaf_level, nodes[start : start + step])
+            for batch in self._batches(leaf_level, nodes):
+                await self._settle(table, leaf_level, batch)
 
     async def _holder_state(self) -> Holder | None:
         """What the peer holds complete and has purged (asked once per round); None from a peer that does not
@@ -321,11 +603,11 @@ class Round:
             self._peer_state_asked = True
             try:
                 reply = await self._ask(State(database=self._db.name), StateReply)
+            except RoundLimit:
+                raise  # an answer past its caps (more than MAX_ORIGINS origins), or the round's own limits
             except PeerError as exc:
                 log.debug("antientropy_state_unanswered", database=self._db.name, error=str(exc)[:200])
             else:
-                if len(reply.complete) > MAX_ORIGINS or len(reply.purged) > MAX_ORIGINS:
-                    raise PeerError(f"the peer's state names more than {MAX_ORIGINS} origins")
                 self._peer_state = Holder(reply.complete, reply.purged)
                 await self._adopt_purges(self._peer_state)
         return self._peer_state
@@ -352,6 +634,8 @@ class Round:
         theirs: dict[str, Summary] = {}
         for record_id, version, origin, tombstone, stored in reply.rows:
             theirs[record_id] = (version, origin, tombstone, stored)
+        if len(theirs) != len(reply.rows):
+            raise RoundLimit("answer", "the peer answered a row twice in one Rows answer")
         ours: dict[str, Summary] = {
             record_id: (version, origin, tombstone, stored)
             for record_id, version, origin, tombstone, stored in self._db.summaries(table, level, nodes)
@@ -427,12 +711,24 @@ class Round:
         return proven
 
     async def _pull(self, table: str, ids: list[str]) -> None:
-        reply = await self._ask(Fetch(database=self._db.name, table=table, ids=ids), FetchReply)
-        wanted = set(ids)
+        """Fetch `ids` and apply what wins; the ids an answer leaves (past the peer's FETCH_BYTES) are asked again,
+        each answer serving at least one of them."""
+        while ids:
+            reply = await self._ask(Fetch(database=self._db.name, table=table, ids=ids), FetchReply)
+            wanted = set(ids)
+            served = [entry.id for entry in reply.entries if entry.table == table and entry.id in wanted]
+            if len(set(served)) != len(served):
+                raise RoundLimit("answer", "the peer served a record twice in one Fetch answer")
+            left = set(reply.left) & wanted - set(served)
+            following = [record_id for record_id in ids if record_id in left]
+            if following and len(following) >= len(ids):
+                raise RoundLimit("answer", f"the peer answered a Fetch of {len(ids)} ids and served none of them")
+            await self._apply(table, reply.entries, wanted)
+            ids = following
+
+    async def _apply(self, table: str, served: list[Entry], wanted: set[str]) -> None:
         ceiling = self._ceiling()
-        entries = [
-            entry for entry in reply.entries if entry.table == table and entry.id in wanted and entry.version <= ceiling
-        ]
+        entries = [e for e in served if e.table == table and e.id in wanted and e.version <= ceiling]
         # A value that is not msgpack, or a revocation the CA did not sign (or its removal), is refused; the rest of
         # the answer still counts.
         refused = [entry for entry in entries if self._refuse([entry]) is not None]
@@ -448,7 +744,7 @@ class Round:
             )
             entries = [entry for entry in entries if entry not in refused]
         if self._blobs is not None:
-            await self._blobs(entries)  # a record is applied only once its blob is safe here
+            await self._in_time(self._blobs(entries))  # a record is applied only once its blob is safe here
         try:
             won = self._db.apply_batch(entries, repair=True)
         except (BadRecord, BadName) as exc:
@@ -479,7 +775,7 @@ class Round:
 
     async def _pace(self, records: int) -> None:
         if records and self._rate > 0:
-            await self._sleep(records / self._rate)
+            await self._in_time(self._sleep(records / self._rate))
 
 
 class Holder:

@@ -375,6 +375,7 @@ class Worker:
                 ca=ctx.ca,
                 verifier=ctx.verifier,
                 blobs=blobs.for_round(ctx, self._http, message.database, session.sub.url, session.peer),
+                limits=antientropy.Limits(seconds=message.timeout or None),
             )
             result = await round_.run()
             report_claims(ctx, session.peer, message.database, result)
@@ -385,8 +386,10 @@ class Worker:
             done.divergent_buckets = result.divergent_buckets
             done.repaired = result.repaired
             done.bytes_exchanged = result.bytes_exchanged
+            done.queries = result.queries
             done.seconds = round(result.seconds, 6)
             done.error = result.error
+            done.limit = result.limit
         self.report(done)
 
     # -- blob repair (workers.blob_repair) -------------------------------------------------------------------------

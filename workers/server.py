@@ -38,6 +38,7 @@ class ReplicationServer:
         self._sockets: dict[Any, PeerIdentity] = {}  # live replication sessions, by the peer's identity
         # The sender of each live session, and an event set once it no longer uses the store.
         self._senders: dict[Any, tuple[Sender, asyncio.Event]] = {}
+        self._queries = antientropy.Admission()  # turns to answer anti-entropy queries, per peer and in all
         app = web.Application(client_max_size=ctx.config.replication.max_frame_bytes, middlewares=[answer_errors])
         app.router.add_get("/replication", self.replication)
         app.router.add_post("/replication/antientropy", self.antientropy)
@@ -134,13 +135,26 @@ class ReplicationServer:
         await asyncio.gather(*(done.wait() for _, done in serving))
 
     async def antientropy(self, request: web.Request) -> web.Response:
-        """One anti-entropy query from a peer (see `workers.antientropy`): msgpack in, msgpack out."""
+        """One anti-entropy query from a peer (see `workers.antientropy`): msgpack in, msgpack out. Answered in a
+        thread, at most QUERIES_PER_PEER of one peer at once (`Admission`): the loop goes on meanwhile, and every
+        answer is bounded by the caps `antientropy.answer` enforces."""
         identity = await self._peer(request)
         if isinstance(identity, web.Response):
             return identity
         peer = identity.name
+        timeout = self._ctx.config.listen.request_timeout
         try:
-            async with asyncio.timeout(self._ctx.config.listen.request_timeout):
+            async with self._queries.turn(peer, timeout) as turn:
+                return await self._answer(request, peer, timeout, turn)
+        except antientropy.Busy as exc:
+            log.warning("antientropy_refused", peer=peer, reason=str(exc), sample_by=("peer",))
+            busy = error_response(503, str(exc))
+            busy.headers["Retry-After"] = "1"
+            return busy
+
+    async def _answer(self, request: web.Request, peer: str, timeout: float, turn: antientropy.Turn) -> web.Response:
+        try:
+            async with asyncio.timeout(timeout):
                 body = await request.read()
         except TimeoutError:
             return error_response(408, "the query did not arrive within listen.request_timeout")
@@ -157,8 +171,12 @@ class ReplicationServer:
             db = self._ctx.store.database(query.database)
         except UnknownDatabase as exc:
             return error_response(404, str(exc))
-        reply = antientropy.answer(db, query)
-        return web.Response(body=antientropy.encode(reply), content_type="application/msgpack")
+        try:
+            reply = await turn.run(antientropy.answer_bytes, db, query)
+        except antientropy.BadQuery as exc:
+            log.warning("antientropy_refused", peer=peer, reason=str(exc), sample_by=("peer",))
+            return error_response(400, str(exc))
+        return web.Response(body=reply, content_type="application/msgpack")
 
     async def blob(self, request: web.Request) -> web.StreamResponse:
         """One blob for a peer's download (see `workers.blobs`), from the byte its Range header names."""

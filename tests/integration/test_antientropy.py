@@ -19,7 +19,7 @@ from pathlib import Path
 import msgspec
 
 from replicator.coordinator.local_cluster import LocalCluster
-from tests.integration.conftest import FAST, audit_duplicates, wait_for, write_many
+from tests.integration.conftest import FAST, assert_log_is_json, audit_duplicates, log_records, wait_for, write_many
 
 INTERVAL = 3.0
 DATABASE = "ae"
@@ -366,6 +366,80 @@ async def test_hostile_anti_entropy_queries_are_refused_with_a_reason(mesh: Loca
     # Nothing was created, and the node serves as before.
     assert (await mesh.admin("a", "/digest/no_such_db"))[0] == 404
     assert (await mesh.data("a", "GET", "/data/hostile_ae/t/x"))[0] == 200
+
+
+async def test_a_certificate_holders_costliest_queries_are_refused_or_bounded_and_the_node_serves_on(
+    mesh: LocalCluster, tmp_path: Path
+) -> None:
+    """Issue 21: `Rows(level 0, nodes=[0] * 256)` on a 20,000-row table held a worker's loop 14 s (the coordinator
+    killed it as hung) and a Fetch of 1,024 copies of one id answered 205 MB. Now each is refused with its reason or
+    answered within its caps, in a thread: the data API answers meanwhile, and no worker is replaced."""
+    from replicator.shared.tls import client_context, issue_node_cert
+    from replicator.workers.antientropy import FETCH_BYTES, Fetch, FetchReply, Rows, encode
+
+    database = "costly_ae"
+    ids = [f"k{i:05d}" for i in range(20_000)]
+    for start in range(0, len(ids), 5000):
+        await write_many(mesh, "a", database, "t", ids[start : start + 5000], {"v": "x" * 40})
+    big = [f"b{i:02d}" for i in range(30)]
+    for start in range(0, len(big), 4):  # 200 KB each, stored in the row; under a megabyte a request
+        await write_many(mesh, "a", database, "big", big[start : start + 4], {"v": "x" * 200_000})
+    ca = mesh.dir / "ca"
+    cert, key = issue_node_cert(ca, "probe_costly", ["127.0.0.1"], tmp_path / "probe")
+    status, _ = await mesh.admin_request(
+        "a", "PUT", "/nodes/probe_costly", {"url": "wss://127.0.0.1:9", "replicates": False}
+    )
+    assert status == 200
+    context = client_context(ca / "ca.pem", cert, key)
+    url = mesh["a"].url.replace("wss://", "https://") + "/replication/antientropy"
+
+    async def ask(query: msgspec.Struct) -> tuple[int, bytes]:
+        async with mesh.http.post(url, data=io.BytesIO(encode(query)), ssl=context) as response:
+            return response.status, await response.read()
+
+    async def admitted(query: msgspec.Struct) -> tuple[int, bytes] | None:
+        found = await ask(query)
+        return found if found[0] != 403 else None  # the probe's registry row may still be on its way
+
+    _, body = await mesh.admin("a", "/status")
+    pids = sorted(w["pid"] for w in body["workers"])
+    rss = max(w["rss_bytes"] for w in body["workers"])
+    reads: list[int] = []
+    stop = asyncio.Event()
+
+    async def read_on() -> None:
+        while not stop.is_set():
+            reads.append((await mesh.data("a", "GET", f"/data/{database}/t/k00001"))[0])
+            await asyncio.sleep(0.05)
+
+    reader = asyncio.create_task(read_on())
+    try:
+        for query, reason in [
+            (Rows(database=database, table="t", level=0, nodes=[0] * 256), b"255 nodes asked for twice"),
+            (Rows(database=database, table="t", level=0, nodes=[0]), b"20000 rows under these nodes"),
+            (Fetch(database=database, table="big", ids=["b00"] * 1024), b"1023 ids asked for twice"),
+        ]:
+            status, text = await wait_for(lambda query=query: admitted(query), 60, "the probe's row to reach a")
+            assert status == 400 and reason in text, (status, text)
+        # The most a Fetch can get, asked twelve times at once: each answer within its byte budget.
+        answers = await asyncio.gather(*(ask(Fetch(database=database, table="big", ids=big)) for _ in range(12)))
+        for status, body_bytes in answers:
+            assert status == 200
+            reply = msgspec.msgpack.decode(body_bytes, type=FetchReply)
+            assert sum(len(e.id) + len(e.value) for e in reply.entries) <= FETCH_BYTES
+            assert [e.id for e in reply.entries] + reply.left == big and reply.left
+    finally:
+        stop.set()
+        await reader
+    assert reads and set(reads) == {200}
+    _, body = await mesh.admin("a", "/status")
+    assert sorted(w["pid"] for w in body["workers"]) == pids
+    assert max(w["rss_bytes"] for w in body["workers"]) - rss < 96 * 1024 * 1024  # the old answer alone was 205 MB
+    assert (await mesh.data("a", "GET", f"/data/{database}/big/b07"))[0] == 200
+    refused = [e for e in log_records(mesh["a"]) if e["event"] == "antientropy_refused" and e["peer"] == "probe_costly"]
+    assert refused and all("reason" in e for e in refused)
+    for name in mesh.nodes:
+        assert_log_is_json(mesh[name])
 
 
 async def test_deletes_converge_on_a_line_where_one_node_decides_the_purge(make_cluster) -> None:  # type: ignore[no-untyped-def]

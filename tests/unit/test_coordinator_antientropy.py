@@ -143,7 +143,9 @@ def test_a_round_goes_only_to_a_connected_pair_and_its_answer_is_recorded(
             "divergent_buckets": 2,
             "repaired": 3,
             "bytes": 900,
+            "queries": 0,
             "error": None,
+            "limit": None,
         },
         "system": None,
     }
@@ -218,6 +220,47 @@ def test_a_round_that_ends_with_an_error_counts_as_a_failure(
     assert sample(node, "replicator_antientropy_records_repaired_total", peer="b", database="system") == 2
     assert sample(node, "replicator_antientropy_divergent_buckets", peer="b", database="system") is None
     assert [e["error"] for e in events("antientropy_failed")] == ["peer unreachable"]
+
+
+def test_a_round_that_failed_on_a_limit_is_counted_logged_and_backed_off(
+    loop: VirtualTimeLoop, events: Callable[[str], list[dict[str, Any]]]
+) -> None:
+    node, supervisor = setup(loop)
+    b = peer("b", 2000, holds=())
+    add(node, b)
+    connect(node, b, "system", worker=0, session=1)
+    key = connection_key(b.url)
+    loop.advance_to(450.0)
+    ((_, _, sent),) = supervisor.of(messages.AntiEntropy)
+    assert sent.timeout == 540.0  # the worker ends its round before the coordinator stops waiting (600 s)
+    assert sample(node, "replicator_antientropy_limits_exceeded_total", peer="b", database="system", limit="time") == 0
+    cut = "the peer's digests leave 131088 tree nodes of one table pending; at most 131072"
+    done(node, b, "system", 1, error=cut, limit="frontier", queries=4115)
+    assert (
+        sample(node, "replicator_antientropy_limits_exceeded_total", peer="b", database="system", limit="frontier") == 1
+    )
+    assert sample(node, "replicator_antientropy_failures_total", peer="b", database="system") == 1
+    (failed,) = events("antientropy_failed")
+    assert (failed["error"], failed["limit"], failed["queries"]) == (cut, "frontier", 4115)
+    assert status_document(node)["connections"][0]["databases"][0]["antientropy"]["limit"] == "frontier"
+    # A peer that asks for rounds (a purge it claims this node is behind) gets none while the pair backs off.
+    assert not node.antientropy.run_soon(key, "system", reason="behind the peer's purge of b")
+    assert events("antientropy_requested")[-1]["backing_off"] is True
+    # The next rounds come after a doubling delay (equal jitter, draws of 0.5): 450, 900, 1,800 s.
+    for number, when in ((2, 900.0), (3, 1800.0), (4, 3600.0)):
+        loop.advance_to(when)
+        assert rounds(supervisor)[-1] == (when, 0, "system", number)
+        if number < 4:
+            done(node, b, "system", number, error=cut, limit="frontier")
+    done(node, b, "system", 4)  # a round that ends well puts the pair back on the interval
+    loop.advance_to(4050.0)
+    assert rounds(supervisor)[-1] == (4050.0, 0, "system", 5)
+    done(node, b, "system", 5)
+    assert node.antientropy.run_soon(key, "system", reason="behind the peer's purge of b")
+    counted = sample(
+        node, "replicator_antientropy_limits_exceeded_total", peer="b", database="system", limit="frontier"
+    )
+    assert counted == 3
 
 
 def test_a_dropped_pair_takes_its_timer_along(loop: VirtualTimeLoop) -> None:
@@ -321,8 +364,10 @@ def test_run_now_asks_every_pair_of_the_database_and_waits_for_all(loop: Virtual
         "divergent_buckets": 1,
         "repaired": 2,
         "bytes": 0,
+        "queries": 0,
         "seconds": 0.0,
         "error": None,
+        "limit": None,
     }
     # Each pair's schedule goes on from its answer.
     loop.advance_to(600.0)
