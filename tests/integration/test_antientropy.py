@@ -165,6 +165,9 @@ async def test_a_node_restored_from_an_old_backup_converges_and_deletes_stay_del
         for name in cluster.nodes:
             await write_many(cluster, name, DATABASE, "t", [f"{name}-{i:03d}" for i in range(100)], {"v": 1})
         await cluster.wait_converged(DATABASE, timeout=60, expect_count=300)
+        # The backup of a file whose history is known: one taken while a new node's first recovery still runs is
+        # a different case (docs/DESIGN.md, known limits).
+        await cluster.wait_settled()
         assert cluster["c"].stop() == 0
         backup = cluster["c"].dir.parent / "c-backup"
         shutil.copytree(cluster["c"].dir / "data", backup)
