@@ -39,7 +39,7 @@ from replicator.coordinator.view import AdminView
 from replicator.shared import config as config_module
 from replicator.shared import membership, memory, revocation
 from replicator.shared.config import DATABASE_PATTERN_RE, NAME_RE, ListenSection
-from replicator.shared.http_errors import JsonErrorRunner
+from replicator.shared.http_errors import json_runner
 from replicator.shared.keys import normalize_url
 from replicator.shared.logs import capture_library_logs, log
 from replicator.shared.store import SYSTEM, BadName, NodeRow, RefusedFile, UnknownDatabase
@@ -119,17 +119,8 @@ class AdminServer:
         capture_library_logs(log, "aiohttp", "asyncio")
         listen = self._node.config.listen
         self._bound = (listen.admin_host, listen.admin_port)
-        # aiohttp's keep-alive timer runs from the moment a connection is made: a client that has not sent a whole
-        # request head within request_timeout of connecting (or of its last answer) is dropped (slowloris). A body
-        # is read within the same timeout (`_body`); one left unread after an answer is waited for as long.
-        # Every error answer is JSON, those of aiohttp's parser and router included (`shared.http_errors`).
-        self._runner = JsonErrorRunner(
-            self._app,
-            access_log=None,
-            handle_signals=False,
-            keepalive_timeout=listen.request_timeout,
-            lingering_time=listen.request_timeout,
-        )
+        # The node port's request timeout (`shared.http_errors.json_runner`); a body is read within it too (`_body`).
+        self._runner = json_runner(self._app, listen.request_timeout)
         await self._runner.setup()
         site = CappedSite(
             self._runner,

@@ -93,3 +93,16 @@ class JsonErrorRunner(web.AppRunner):
         server = await super()._make_server()
         server.__class__ = _JsonErrorServer
         return server
+
+
+def json_runner(app: web.Application, request_timeout: float) -> JsonErrorRunner:
+    """The runner both ports serve with. aiohttp's keep-alive timer runs from the moment a connection is made: a
+    client that has not sent a whole request head within `request_timeout` of connecting (or of its last answer) is
+    dropped (slowloris); the rest of a body left unread after an answer is waited for as long, no longer."""
+    return JsonErrorRunner(
+        app,
+        access_log=None,
+        handle_signals=False,
+        keepalive_timeout=request_timeout,
+        lingering_time=request_timeout,
+    )

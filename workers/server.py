@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from replicator.shared import wire
-from replicator.shared.http_errors import JsonErrorRunner, error_response
+from replicator.shared.http_errors import error_response, json_runner
 from replicator.shared.logs import capture_library_logs, log
 from replicator.shared.store import UnknownDatabase
 from replicator.shared.tls import PeerIdentity, peer_identity
@@ -50,16 +50,8 @@ class ReplicationServer:
         listen = self._ctx.config.listen
         # aiohttp logs a bad request with its traceback, as text: on one JSON line instead, sampled.
         capture_library_logs(log, "aiohttp", "asyncio")
-        # aiohttp's keep-alive timer runs from the moment a connection is made: a client that has not sent a whole
-        # request head within request_timeout of connecting (or of its last answer) is dropped. The rest of a body
-        # left unread after an answer is waited for as long, no longer.
-        self._runner = JsonErrorRunner(
-            self._app,
-            access_log=None,
-            handle_signals=False,
-            keepalive_timeout=listen.request_timeout,
-            lingering_time=listen.request_timeout,
-        )
+        # Slow request heads are dropped after request_timeout, every error answer is JSON (`shared.http_errors`).
+        self._runner = json_runner(self._app, listen.request_timeout)
         await self._runner.setup()
         counters = self._ctx.counters
         site = GuardedSite(
