@@ -26,7 +26,7 @@ import pytest
 
 from replicator.coordinator.local_cluster import HOST, LocalCluster, LocalNode
 from replicator.shared.tls import client_context, issue_node_cert
-from tests.integration.conftest import log_records, wait_for
+from tests.integration.conftest import Unharmed, log_records, wait_for
 
 TOKEN = "s3cret"
 
@@ -117,6 +117,7 @@ async def test_hostile_requests_are_4xx_naming_the_problem(make_cluster: Callabl
     cluster.start()
     try:
         await cluster.wait_ready()
+        unharmed = await Unharmed.of(cluster)
         node, context = cluster["a"], cluster.data_ssl
         auth = {"Authorization": f"Bearer {TOKEN}".encode()}
         cases: list[tuple[bytes, int, str]] = [
@@ -169,6 +170,7 @@ async def test_hostile_requests_are_4xx_naming_the_problem(make_cluster: Callabl
         finally:
             writer.transport.abort()
         records = await assert_serving(cluster, "a")
+        await unharmed.check()
         # aiohttp's own refusal (the control character) is one sampled line, not a traceback.
         library = [r for r in records if r["event"] == "library_log"]
         assert library and all(r["logger"].startswith("aiohttp") for r in library), library
@@ -200,6 +202,7 @@ async def test_every_4xx_on_both_ports_is_json(make_cluster: Callable[..., Local
     cluster.start()
     try:
         await cluster.wait_ready()
+        unharmed = await Unharmed.of(cluster)
         node = cluster["a"]
         pid = await worker_pid(cluster)
         await assert_serving(cluster, "a")
@@ -238,6 +241,7 @@ async def test_every_4xx_on_both_ports_is_json(make_cluster: Callable[..., Local
                 assert isinstance(error, str) and error and reason in error, what
         # The node answers on both ports as before, its worker unchanged, its log JSON lines.
         records = await assert_serving(cluster, "a")
+        await unharmed.check()
         assert await worker_pid(cluster) == pid
         assert (await cluster.admin("a", "/healthz"))[0] == 200
         assert [r for r in records if r["event"] == "request_failed"] == []
@@ -313,6 +317,7 @@ async def test_connection_caps_refuse_before_tls(make_cluster: Callable[..., Loc
     cluster.start()
     try:
         await cluster.wait_ready()
+        unharmed = await Unharmed.of(cluster)
         node, anonymous = cluster["a"], cluster.data_ssl
         issue_node_cert(cluster.dir / "ca", "x", [HOST], tmp_path)
         certified = client_context(cluster.dir / "ca" / "ca.pem", tmp_path / "x.pem", tmp_path / "x.key")
@@ -359,6 +364,7 @@ async def test_connection_caps_refuse_before_tls(make_cluster: Callable[..., Loc
         assert {r["limit"] for r in refusals} == {"max_connections", "max_connections_per_client"}, refusals
         await wait_for(lambda: _serves(cluster), 60, "the node serving once the connections closed")
         await assert_serving(cluster, "a")
+        await unharmed.check()
     finally:
         await cluster.close()
 
@@ -372,6 +378,7 @@ async def test_handshakes_in_progress_are_capped_before_tls(make_cluster: Callab
     cluster.start()
     try:
         await cluster.wait_ready()
+        unharmed = await Unharmed.of(cluster)
         node = cluster["a"]
         silent = [await asyncio.open_connection(HOST, node.port) for _ in range(5)]  # no ClientHello: in handshake
         try:
@@ -387,6 +394,7 @@ async def test_handshakes_in_progress_are_capped_before_tls(make_cluster: Callab
         assert {r["limit"] for r in refusals} == {"max_handshakes"}, refusals
         await wait_for(lambda: _serves(cluster), 60, "the node serving once the handshakes went")
         await assert_serving(cluster, "a")
+        await unharmed.check()
     finally:
         await cluster.close()
 
@@ -418,6 +426,7 @@ async def test_databases_beyond_the_cap_are_refused(make_cluster: Callable[..., 
     cluster.start()
     try:
         await cluster.wait_ready()
+        unharmed = await Unharmed.of(cluster)
         for index in range(3):
             status, body = await cluster.data("a", "PUT", f"/data/db{index}/t/x", index)
             assert status == 200, body
@@ -431,6 +440,7 @@ async def test_databases_beyond_the_cap_are_refused(make_cluster: Callable[..., 
         assert (await cluster.data("a", "GET", "/data/db9/t/x"))[0] == 404
         records = log_records(cluster["a"])
         assert [r for r in records if r["event"] == "request_failed"] == []
+        await unharmed.check("db0")
     finally:
         await cluster.close()
 
