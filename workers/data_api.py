@@ -27,7 +27,14 @@ from aiohttp import web
 from replicator.shared import blobs
 from replicator.shared.config import NAME_RE, is_loopback
 from replicator.shared.logs import log, where
-from replicator.shared.store import BadName, DamagedRecord, Database, DatabaseRemoving, UnknownDatabase
+from replicator.shared.store import (
+    BadName,
+    DamagedRecord,
+    Database,
+    DatabaseRemoving,
+    TooManyDatabases,
+    UnknownDatabase,
+)
 from replicator.shared.wire import Entry
 from replicator.workers.context import SYSTEM, WorkerContext
 
@@ -281,7 +288,11 @@ class DataApi:
             if not write:
                 raise
         self._may_create(name)
-        return self._ctx.database(name, create=True)
+        try:
+            return self._ctx.database(name, create=True)
+        except TooManyDatabases as exc:
+            # Another process of the node took the last place since `_may_create` counted (the store decides).
+            raise BadRequest(409, str(exc)) from None
 
     def _may_create(self, name: str) -> None:
         """BadRequest when this client may not create the database `name`."""
@@ -291,8 +302,7 @@ class DataApi:
         limit = config.data.max_databases
         held = sum(1 for other in self._ctx.store.names() if other != SYSTEM)
         if held >= limit:
-            what = f"this node holds {held} databases, the limit (data.max_databases = {limit})"
-            raise BadRequest(409, f"cannot create database {name!r}: {what}")
+            raise BadRequest(409, str(TooManyDatabases(name, held, limit)))
 
     def _encode_value(self, value: Any) -> bytes:
         return encode_value(value, self._ctx.config.data.max_value_bytes)
