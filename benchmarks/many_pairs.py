@@ -247,7 +247,9 @@ async def idle_cpu(nodes: dict[str, dict[str, psutil.Process]], seconds: float) 
 
 async def applied_total(cluster: Any, name: str, peer: str) -> float:
     """The node's replicator_records_applied_total from `peer`, summed over databases."""
-    async with cluster.http.get(cluster[name].admin_url + "/metrics", headers=cluster[name].admin_headers) as response:
+    # A baseline tree from before the admin token (issue 21) has no admin_headers: its admin port asks none.
+    headers = getattr(cluster[name], "admin_headers", {})
+    async with cluster.http.get(cluster[name].admin_url + "/metrics", headers=headers) as response:
         text = await response.text()
     total = 0.0
     for line in text.splitlines():

@@ -173,7 +173,9 @@ async def _records_sent(cluster: Any) -> dict[str, int]:
     """Records of the benchmark's database each node has sent to each peer ("a->b": n), from its /metrics."""
     sent = {}
     for name, node in cluster.nodes.items():
-        async with cluster.http.get(f"{node.admin_url}/metrics", headers=node.admin_headers) as response:
+        # A baseline tree from before the admin token (issue 21) has no admin_headers: its admin port asks none.
+        headers = getattr(node, "admin_headers", {})
+        async with cluster.http.get(f"{node.admin_url}/metrics", headers=headers) as response:
             text = await response.text()
         for labels, value in _SENT.findall(text):
             found = dict(_LABEL.findall(labels))

@@ -446,12 +446,14 @@ async def test_forged_registry_rows_and_origin_claims_are_refused(pair: tuple[Lo
     await cluster.wait_converged("real", ["a", "b"], timeout=60, expect_count=1)
 
     # A new file may lack writes of its own until the peers confirm it holds them all (it is recovering), and
-    # takes them back up to its floor from anyone: the claims are refused once it holds its history whole.
-    async def recovered() -> bool:
+    # takes them back up to its floor from anyone: the claims are refused once it holds its history whole. A file
+    # made after the registry says the node never held the database has a history known whole from the start, and
+    # never recovers: which of the two "real" is depends on whether a's system database had recovered by the PUT.
+    async def whole() -> bool:
         _, status = await cluster.admin("a", "/status")
-        return status["recovery"].get("real", {}).get("state") == "recovered"
+        return status["recovery"].get("real", {}).get("state") != "recovering"
 
-    await wait_for(recovered, 60, "a's new database to finish recovering")
+    await wait_for(whole, 60, "a's new database to hold its own history whole")
     now = int(time.time() * 1_000_000)
     hijacked = NodeRow(name="b", url="wss://127.0.0.1:9", databases=[], holds=[])
 
