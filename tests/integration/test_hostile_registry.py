@@ -189,7 +189,7 @@ async def test_thousands_of_introductions_are_capped_and_the_coordinator_answers
 
 
 async def _metrics(cluster: LocalCluster, name: str) -> str:
-    async with cluster.http.get(cluster[name].admin_url + "/metrics") as response:
+    async with cluster.http.get(cluster[name].admin_url + "/metrics", headers=cluster[name].admin_headers) as response:
         return await response.text()
 
 
