@@ -4,7 +4,8 @@ GET /metrics /healthz /readyz /status /nodes /digest/{database}
 GET /ca   the cluster CA certificates this node trusts (tls.ca), PEM, so that a new node can check it was issued by
     the same CA before it joins (`replicator clone`); certificates only, never a key
 PUT /nodes/{name} {"url", "databases", "replicates"[, "leader"]}: an introduction of another node, signed by this
-    one (shared.membership); a node's own row always wins over it.   DELETE /nodes/{name}
+    one (shared.membership); a node's own row always wins over it. 409 with "limit" past the introduction caps
+    (membership.MAX_PENDING_PER_INTRODUCER of this node's, MAX_PENDING_INTRODUCTIONS in all).   DELETE /nodes/{name}
 POST /antientropy/{database} /antientropy [?timeout=SECONDS]   run an anti-entropy round now with every peer of
     the database (of every database the node holds) and answer when all came back:
     {"rounds": [{"peer", "database", "buckets_compared", "divergent_buckets", "repaired", "bytes", "seconds",
@@ -299,6 +300,9 @@ class AdminServer:
             return _error(503, "the node has not loaded its certificate yet")
         system = self._node.system()
         current = self._node.verifier.listing(system, self._node.revoked).get(name)
+        capped = membership.room_to_introduce(system, self._node.name, name)
+        if capped is not None:
+            return _reply({"error": f"cannot introduce {name!r}: {capped.reason}", "limit": capped.limit}, 409)
         row = NodeRow(
             name=name,
             url=url,
@@ -307,7 +311,7 @@ class AdminServer:
             leader=bool(update.leader),
         )
         version = membership.write(system, signer, membership.INTRODUCTIONS, row)
-        self._node.poke_registry()
+        self._node.poke_registry(full=False)  # one view changed: the registry pass looks at it alone
         answer: dict[str, Any] = {"name": name, "version": version, "introduced_by": self._node.name}
         if current is not None and current[2] == "own":
             answer["note"] = f"{name} has its own row, which takes precedence over an introduction"
@@ -342,7 +346,7 @@ class AdminServer:
             return _error(409, "a node cannot delete its own registry row")
         if not membership.remove(self._node.system(), name):
             return _error(404, f"no node {name!r} in the registry")
-        self._node.poke_registry()
+        self._node.poke_registry(full=False)
         return _reply({"name": name, "deleted": True})
 
     async def delete_database(self, request: web.Request) -> web.Response:
@@ -440,6 +444,19 @@ class AdminServer:
         return _reply(document, 500 if answer.error else 200)
 
 
+STATUS_NAMES = 20  # names a /status field lists of a set a peer's row can make as large as it likes
+
+
+def _over_limit(node: AdminView) -> dict[str, Any]:
+    left_out = node.database_limit.left_out()
+    return {
+        "limit": node.config.data.max_databases,
+        "taken": node.database_limit.count,  # held, or about to be created by a pair
+        "count": len(left_out),
+        "databases": left_out[:STATUS_NAMES],
+    }
+
+
 def status_document(node: AdminView) -> dict[str, Any]:
     now = node.loop.time()
     live = {slot: handle.pid for slot, handle in node.supervisor.workers.items() if handle.alive and handle.pid}
@@ -507,6 +524,8 @@ def status_document(node: AdminView) -> dict[str, Any]:
         "url": node.config.node.url,
         "ready": node.supervisor.all_ready(),
         "holds": sorted(node.holds),
+        # Databases peers hold that the node does not take, being at data.max_databases (coordinator.database_limit).
+        "databases_over_limit": _over_limit(node),
         "setup_pending": node.scheduler.pending,
         "workers": workers,
         "connections": connections,

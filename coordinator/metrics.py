@@ -589,6 +589,11 @@ class _StateCollector(Collector):
         )
         recovering.add_metric([], len(node.recoveries.recovering()))
         yield recovering
+        yield _gauge(
+            "replicator_databases_over_limit",
+            "Databases peers hold that this node does not take: it holds data.max_databases already",
+            len(node.database_limit.left_out()),
+        )
 
 
 class _WorkerProcesses:

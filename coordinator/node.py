@@ -28,6 +28,7 @@ from replicator.coordinator import filecheck, registry, scaling
 from replicator.coordinator.admin import AdminServer
 from replicator.coordinator.antientropy import AntiEntropy
 from replicator.coordinator.blob_repairs import BlobRepairs
+from replicator.coordinator.database_limit import DatabaseLimit
 from replicator.coordinator.drops import Drops
 from replicator.coordinator.metrics import Metrics
 from replicator.coordinator.reachability import unreachable_from_peers
@@ -45,7 +46,7 @@ from replicator.shared import membership, messages, revocation
 from replicator.shared.backoff import Backoff
 from replicator.shared.config import Config, ConfigError, PeerSection
 from replicator.shared.keys import connection_key, normalize_url
-from replicator.shared.logs import log
+from replicator.shared.logs import LOGGED_NAMES, log
 from replicator.shared.memory import Trimmer
 from replicator.shared.notify import Doorbell
 from replicator.shared.store import Database, NodeRow, Store, UnknownDatabase
@@ -111,6 +112,8 @@ class Node:
         self.ladder = self.scheduler.sweep()
         self.views: dict[str, NodeView] = {}
         self.holds: set[str] = set()
+        # The databases peers' rows may make this node create: data.max_databases, held and planned together.
+        self.database_limit = DatabaseLimit()
         # Registry rows are signed (shared.membership): ours with our key, each checked against the cluster CA.
         self.signer: membership.Signer | None = None
         self.verifier = membership.Verifier(None)
@@ -121,6 +124,10 @@ class Node:
         self.drops = Drops(self, loop=self.loop)  # databases deleted cluster-wide, applied to this node's files
         self.retention = Retention(self)  # audit pruning and tombstone purges (coordinator.retention)
         self.router = Router(config.replication.failover_after, self._on_route_change, loop=self.loop)
+        # Databases whose routes changed this turn of the loop, and the callback that renews their pairs once for
+        # all of them (`_on_route_change`).
+        self._rerouted: dict[str, None] = {}  # in the order their routes changed
+        self._reroute: asyncio.Handle | None = None
         # Databases whose file may lack this node's own writes (lost, adopted, gone back in time), until every peer
         # has served them back (coordinator.recovery).
         self.recoveries = Recoveries()
@@ -264,6 +271,7 @@ class Node:
                 self.store.database(damage.database, create=True)
             self.holds = set(self.store.names()) | {SYSTEM}
             for database in sorted(self.holds):
+                self.database_limit.held(database)
                 self._note_database(database)
         except Exception as exc:
             raise BootError(f"cannot open the store in {directory}: {exc}") from None
@@ -355,6 +363,9 @@ class Node:
         await self.drops.close()
         for entry in self.map:
             entry.disarm()
+        if self._reroute is not None:
+            self._reroute.cancel()
+            self._reroute = None
         self.router.close()
         await self.supervisor.stop(max(1.0, deadline - 1.0))
         if self._admin is not None:
@@ -417,8 +428,10 @@ class Node:
             self._revocations_seen = seen
         return revocation.revoked_by(self._revocations, identity)
 
-    def poke_registry(self) -> None:
-        self._sync_all = True
+    def poke_registry(self, full: bool = True) -> None:
+        """Run a registry pass now; `full`: over every node, not only those whose view changed (sync_registry)."""
+        if full:
+            self._sync_all = True
         self._registry_poke.set()
 
     async def _registry_loop(self) -> None:
@@ -489,6 +502,7 @@ class Node:
     def on_node_update(self, view: NodeView, event: bool = True) -> None:
         entry = self.map.by_peer(view.name)
         if not registry.dials(self.config, view):
+            self.database_limit.forget_peer(view.name)
             if entry is not None:
                 self._drop_entry(entry, "not replicated with")
             return
@@ -499,6 +513,19 @@ class Node:
             entry = None
         # Not a database being removed here: its pairs come back, if the peer still holds it, once that is over.
         wanted = [d for d in registry.databases_for(self.config, view) if d not in self.drops.removing]
+        limit = self.config.data.max_databases
+        wanted, changed = self.database_limit.admit(view.name, wanted, limit)
+        left_out = self.database_limit.left_out_of(view.name)
+        if changed and left_out:
+            log.warning(
+                "database_limit_reached",
+                peer=view.name,
+                left_out=len(left_out),
+                databases=list(left_out[:LOGGED_NAMES]),
+                taken=self.database_limit.count,
+                limit=limit,
+                sample_by=("peer",),
+            )
         for database in wanted:
             self.on_database(view, database, event)
         entry = self.map.by_peer(view.name)
@@ -507,6 +534,7 @@ class Node:
                 self._drop_pair(entry, database)
 
     def on_node_removed(self, name: str) -> None:
+        self.database_limit.forget_peer(name)
         for key in [key for key in self.peer_holds if key[1] == name]:
             del self.peer_holds[key]
         for key in [key for key in self.sending if key[0] == name]:
@@ -550,6 +578,7 @@ class Node:
         if pair is None:
             pair = PairState(database=database, payload=payload, created_at=now)
             entry.pairs[database] = pair
+            self.database_limit.pair_added(database)
             self.antientropy.track(key, view.name, database)
             changed = True
         else:
@@ -604,6 +633,8 @@ class Node:
         self.antientropy.forget(entry.key, database)
         if pair is None:
             return
+        if self.database_limit.pair_removed(database) and self.database_limit.waiting:
+            self.poke_registry()  # room for a database the limit kept off this node
         for worker in {entry.worker, pair.worker}:
             if worker is not None and worker >= 0:
                 self.supervisor.send(worker, messages.Unsubscribe(key=entry.key, database=database))
@@ -637,13 +668,27 @@ class Node:
 
     def _on_route_change(self, database: str) -> None:
         """An origin of `database` moved between its direct link and the other pairs: every pair of the database
-        whose exclusions changed is set up again, on the ladder (stagger spacing)."""
-        self._refresh_payloads(database, "route_changed")
+        whose exclusions changed is set up again, on the ladder (stagger spacing), once for every change of this
+        turn of the loop. Renewing them at each change would cost O(pairs x links) a change, and a registry pass
+        that adds n links (or n links failing over at one timer's time) would cost O(n^3)."""
+        self._rerouted[database] = None
+        if self._reroute is None and not self._closing:
+            self._reroute = self.loop.call_soon(self._renew_rerouted)
+
+    def _renew_rerouted(self) -> None:
+        self._reroute = None
+        databases, self._rerouted = list(self._rerouted), {}
+        for database in databases:
+            self._refresh_payloads(database, "route_changed")
 
     def _refresh_payloads(self, database: str, event: str) -> None:
-        """Set up again, on the ladder, every pair of `database` whose subscription changed."""
+        """Set up again, on the ladder, every pair of `database` whose subscription changed; one line says what
+        changed for the pairs in use (`_route_change`)."""
         if self._closing:
             return
+        renewed: list[str] = []
+        added: set[str] = set()
+        removed: set[str] = set()
         for entry in list(self.map):
             pair = entry.pairs.get(database)
             view = self.views.get(entry.peer)
@@ -652,11 +697,16 @@ class Node:
             payload = self._payload(view, entry.key, database)
             if _setup_fields(payload) == _setup_fields(pair.payload):
                 continue
-            pair.payload = payload
+            before, pair.payload = pair.payload, payload
             if pair.dispatched_at is not None:  # a subscription in use changes (not one still being set up)
-                log.info(event, peer=entry.peer, database=database, exclude=payload.exclude)
+                renewed.append(entry.peer)
+                old, new = set(before.exclude), set(payload.exclude)
+                added |= new - old
+                removed |= old - new
             if not self.scheduler.schedule(entry.url, database, payload, sweep=self.ladder):
                 self.scheduler.refresh_pending(entry.url, database, payload)
+        if renewed:
+            log.info(event, database=database, **_route_change(renewed, added, removed))
 
     # -- recovery of a lost database ---------------------------------------------------------------------------
 
@@ -750,6 +800,7 @@ class Node:
         here. A peer that still holds it is subscribed to again on the next registry pass (which creates nothing
         here until the peer sends a record written after the deletion)."""
         self.holds.discard(database)
+        self.database_limit.removed(database)
         self.recoveries.forget(database)
         for key in [key for key in self.peer_holds if key[0] == database]:
             del self.peer_holds[key]
@@ -833,6 +884,7 @@ class Node:
             case messages.DatabaseOpened(name=name):
                 if name not in self.holds:
                     self.holds.add(name)
+                    self.database_limit.held(name)
                     self._note_database(name)
                     self._own_row_stale = True
                     self.check_recoveries([name])
@@ -1199,6 +1251,23 @@ class Node:
 def _with_routes(peers: list[PeerSection], routes: list[PeerSection]) -> list[PeerSection]:
     named = {peer.name for peer in peers}
     return [*peers, *(route for route in routes if route.name not in named)]
+
+
+def _route_change(renewed: list[str], added: set[str], removed: set[str]) -> dict[str, Any]:
+    """The fields of the one line a route change of a database writes: the pairs in use it renews (`peers`, and
+    `pairs` counting them), the origins they exclude now and did not (`added`: their own links carry them) and those
+    they carry now (`removed`: failed over, or no longer direct), each a capped list beside its count. A line per
+    pair listing its whole exclusion made the log grow with the cube of the links a registry pass added (issue 21);
+    this one is bounded, and a route change writes one."""
+    peers, gained, lost = sorted(renewed), sorted(added), sorted(removed)
+    return {
+        "pairs": len(peers),
+        "peers": peers[:LOGGED_NAMES],
+        "added": gained[:LOGGED_NAMES],
+        "added_count": len(gained),
+        "removed": lost[:LOGGED_NAMES],
+        "removed_count": len(lost),
+    }
 
 
 def _setup_fields(payload: messages.Subscribe) -> tuple[Any, ...]:

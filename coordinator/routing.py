@@ -28,7 +28,9 @@ per receiving node; along a line, each hop relays what is not direct for the nex
 Each link owns one timer, for the state it is in: DIRECT and down waits to fail over, FAILED_OVER and stable
 waits to move back; the other states wait for a report and arm nothing. Every transition cancels the timer of the
 state it leaves; `forget` and `close` cancel everything. `failover_after` may change on reload: it applies from
-the next transition of each link, and to every flap judged from then on.
+the next transition of each link, and to every flap judged from then on. The links of a database whose timers fall
+due within SIMULTANEOUS of one that fires switch with it, so that a registry pass adding hundreds of links changes
+the route once when they fail over, not once per link.
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ from dataclasses import dataclass, field
 # Drops within failover_after that make a link flapping. Two drops can be one bad moment (a restart, a network
 # blip and its retry); a third within the window is a pattern.
 FLAP_DROPS = 3
+# Links of a database whose timers fall due this close together switch at the first one's time. The links a registry
+# pass adds are tracked microseconds apart (the pass takes time), and each switch on its own renews every pair of
+# the database: hundreds of links failing over one by one cost hundreds of renewals of every pair (issue 21).
+SIMULTANEOUS = 0.05
 
 
 class Mode(enum.Enum):
@@ -62,11 +68,13 @@ class Link:
     changed_at: float = 0.0
     drops: deque[float] = field(default_factory=lambda: deque(maxlen=FLAP_DROPS))  # the latest up -> down times
     timer: asyncio.TimerHandle | None = None
+    due: tuple[float, Mode] | None = None  # when the timer fires and the mode it switches to
 
     def disarm(self) -> None:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+        self.due = None
 
     def flapping(self, window: float) -> bool:
         """FLAP_DROPS drops within `window`, the last one included."""
@@ -85,14 +93,20 @@ class Router:
         self._on_change = on_change
         self._loop = loop
         self._links: dict[str, dict[str, Link]] = {}
+        # Per database, its DIRECT origins, sorted: every subscription's exclusions are read from it, so it is
+        # sorted once per change of a link's mode, not once per subscription (`exclude`).
+        self._direct: dict[str, list[str]] = {}
 
     # -- what the node asks --------------------------------------------------------------------------------------
 
     def exclude(self, database: str, peer: str) -> list[str]:
         """The origins the subscription to `peer` for `database` must not carry: the other direct peers whose
         own links serve them."""
-        links = self._links.get(database, {})
-        return sorted(origin for origin, link in links.items() if origin != peer and link.mode is Mode.DIRECT)
+        direct = self._direct.get(database)
+        if direct is None:
+            links = self._links.get(database, {})
+            direct = self._direct[database] = sorted(o for o, link in links.items() if link.mode is Mode.DIRECT)
+        return [origin for origin in direct if origin != peer]
 
     def mode(self, database: str, origin: str) -> Mode | None:
         link = self._links.get(database, {}).get(origin)
@@ -118,6 +132,7 @@ class Router:
         now = self._loop.time()
         link = Link(down_since=now, changed_at=now)
         links[peer] = link
+        self._direct.pop(database, None)
         self._arm(database, peer, link)
         return True
 
@@ -129,6 +144,7 @@ class Router:
         if link is None:
             return
         link.disarm()
+        self._direct.pop(database, None)
         if not links:
             del self._links[database]
         self._on_change(database)
@@ -158,6 +174,7 @@ class Router:
             for link in links.values():
                 link.disarm()
         self._links.clear()
+        self._direct.clear()
 
     # -- transitions and timers ----------------------------------------------------------------------------------
 
@@ -177,6 +194,7 @@ class Router:
 
     def _switch(self, database: str, peer: str, link: Link, mode: Mode) -> None:
         link.mode = mode
+        self._direct.pop(database, None)
         link.changed_at = self._loop.time()
         link.stable_since = None
         self._arm(database, peer, link)
@@ -191,10 +209,20 @@ class Router:
             deadline, then = link.stable_since + self.failover_after, Mode.DIRECT
         else:
             return
+        link.due = (deadline, then)
         link.timer = self._loop.call_at(deadline, self._expire, database, peer, link, then)
 
     def _expire(self, database: str, peer: str, link: Link, mode: Mode) -> None:
         # Every transition and `forget` cancel the timer, so when it fires the link is still in the state it was
         # armed for.
         link.timer = None
+        link.due = None
+        horizon = self._loop.time() + SIMULTANEOUS
+        together = [
+            (other_peer, other)
+            for other_peer, other in self._links.get(database, {}).items()
+            if other.due is not None and other.due[1] is mode and other.due[0] <= horizon
+        ]
         self._switch(database, peer, link, mode)
+        for other_peer, other in together:
+            self._switch(database, other_peer, other, mode)

@@ -86,7 +86,8 @@ class TlsSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class DataSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     token: str = ""
-    # The data API creates no database once the node holds this many (the system database not counted).
+    # The node creates no database once it holds this many (the system database not counted): not for a client,
+    # not for a peer's row listing more (coordinator.database_limit, shared.store).
     max_databases: int = 1000
     # A value whose msgpack is at least this long is stored as a blob: a file beside the database, referenced from
     # the record and replicated outside the record stream (shared.blobs).

@@ -29,6 +29,9 @@ LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}  # the same numbe
 # syslog(3) priorities: LOG_ERR, LOG_WARNING, LOG_INFO, LOG_DEBUG.
 PRIORITIES = {"debug": 7, "info": 6, "warning": 4, "error": 3}
 _LEVEL_ALIASES = {"warn": "warning"}
+# Names a line lists of a set that grows with the cluster (origins, peers), beside the set's count: a line listing
+# them all made the log grow with the square of the nodes a peer introduced (issue 21).
+LOGGED_NAMES = 8
 
 
 def level_name(text: str) -> str:

@@ -16,12 +16,19 @@ else is refused (`registry_row_refused`). Acceptance depends on the content alon
 same. Removing a row (a tombstone) needs no signature: a removed node's row is deleted by operators on any node,
 and a live node writes its own row again at once (the coordinator does, whenever its row is missing or not its
 own). Rows signed with a revoked certificate are ignored when the registry is read.
+
+An introduction of a node that has no own row is *pending*: the cluster dials a node nobody has seen. Pending
+introductions are capped, per introducer and in all (`IntroductionCaps`): a row beyond a cap is refused like a row
+that does not verify (`registry_row_refused`, with the cap as `limit`), by a replication session, anti-entropy and
+`PUT /nodes` alike, and the registry as read never holds more of them than the caps (`Verifier.listing`). Unlike
+a signature, a cap depends on what the receiver holds, so a row refused for it may be taken later, once an
+introduction is removed or its node writes its own row.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -43,6 +50,16 @@ INTRODUCTIONS = "introductions"
 TABLES = (NODES, INTRODUCTIONS)
 _CACHE_SIZE = 4096
 _PAGE = 1000
+
+# Pending introductions (of nodes with no own row) one introducer may have, and all of them together. 3,000 from one
+# certificate holder stalled a coordinator for 221 s (issue 21): each is a node dialled, routed and shown. An operator
+# introduces the nodes it is about to start, and each writes its own row once it runs, so a few are pending at a time;
+# these leave room to bring up a large cluster through one node's admin port.
+MAX_PENDING_PER_INTRODUCER = 64
+MAX_PENDING_INTRODUCTIONS = 256
+PER_INTRODUCER = "introductions_per_introducer"  # the caps, as `registry_row_refused` names them (`limit`)
+IN_ALL = "introductions"
+_NEWEST = 2**63 - 1  # the version of an introduction not written yet: it beats whatever is held
 
 
 class SignedRow(msgspec.Struct, kw_only=True):
@@ -222,6 +239,7 @@ class Verifier:
         """`read`, with where each row comes from: the node's own row, or an introduction (and by whom)."""
         own: dict[str, tuple[NodeRow, int, str]] = {}
         introduced: dict[str, tuple[NodeRow, int, str]] = {}
+        introducers: dict[str, str] = {}
         for table, found in ((NODES, own), (INTRODUCTIONS, introduced)):
             after: str | None = None
             while True:
@@ -235,10 +253,15 @@ class Verifier:
                         continue
                     source = "own" if table == NODES else f"introduced by {entry.origin}"
                     found[entry.id] = (verified.row, entry.version, source)
+                    if table == INTRODUCTIONS:
+                        introducers[entry.id] = entry.origin
                 if len(page) < _PAGE:
                     break
                 after = page[-1].id
-        return {**introduced, **own}
+        pending = within_caps(
+            [(version, name, introducers[name]) for name, (_, version, _) in introduced.items() if name not in own]
+        )
+        return {**{name: item for name, item in introduced.items() if name in pending}, **own}
 
     def own_row(self, db: Database, name: str) -> tuple[NodeRow, bytes] | None:
         """`name`'s own row and the DER certificate that signed it, when the row is there and verifies."""
@@ -254,6 +277,146 @@ class Verifier:
             return None
         signed = _decoder.decode(entry.value)
         return signed.row, signed.cert
+
+
+def within_caps(pending: Iterable[tuple[int, str, str]]) -> set[str]:
+    """Of the pending introductions (version, name, introducer), the names the caps admit, the oldest first: what
+    the registry shows when a database holds more than the caps (rows written before them, or let in by sessions on
+    two workers deciding at once). The same on every node that holds the same rows."""
+    admitted: set[str] = set()
+    per_introducer: Counter[str] = Counter()
+    for _, name, introducer in sorted(pending):
+        if len(admitted) >= MAX_PENDING_INTRODUCTIONS:
+            break
+        if per_introducer[introducer] < MAX_PENDING_PER_INTRODUCER:
+            per_introducer[introducer] += 1
+            admitted.add(name)
+    return admitted
+
+
+@dataclass(frozen=True)
+class CapRefusal:
+    limit: str  # PER_INTRODUCER or IN_ALL
+    reason: str
+
+
+class IntroductionCaps:
+    """Which introductions a node may store: at most MAX_PENDING_PER_INTRODUCER pending ones (of nodes with no own
+    row) per introducer and MAX_PENDING_INTRODUCTIONS in all. Built from what a system database holds (`of`), then
+    given a batch's registry rows in order (`take`), so that what the batch itself adds, removes or gives an own
+    row counts for the rows after it. A row the store would skip (it loses last-writer-wins to what is held) is
+    never refused: refusing it would hold the sender's position below a row that changes nothing."""
+
+    def __init__(self, introductions: dict[str, tuple[int, str, bool]], own: set[str]) -> None:
+        # id -> (version, origin, tombstone) of the introductions held, and of the ids asked about
+        self._rows = dict(introductions)
+        self._own = set(own)
+        self._pending: Counter[str] = Counter(
+            origin for name, (_, origin, tombstone) in self._rows.items() if not tombstone and name not in self._own
+        )
+        self._total = sum(self._pending.values())
+
+    @classmethod
+    def of(cls, db: Database, names: Iterable[str] = ()) -> IntroductionCaps:
+        """The caps as `db` stands, knowing the versions of `names` (the ids a batch introduces) even where only a
+        tombstone is held."""
+        rows: dict[str, tuple[int, str, bool]] = {}
+        for entry in _live(db, INTRODUCTIONS):
+            rows[entry.id] = (entry.version, entry.origin, False)
+        asked = sorted({name for name in names if name not in rows})
+        for start in range(0, len(asked), _PAGE):
+            for entry in db.fetch(INTRODUCTIONS, asked[start : start + _PAGE])[0]:
+                rows[entry.id] = (entry.version, entry.origin, entry.tombstone)
+        return cls(rows, {entry.id for entry in _live(db, NODES)})
+
+    def pending(self, introducer: str) -> int:
+        return self._pending[introducer]
+
+    @property
+    def total(self) -> int:
+        return self._total
+
+    def take(self, entry: _Record) -> CapRefusal | None:
+        """Why the registry row `entry` must not be stored, or None; a row that is stored counts from now on."""
+        if entry.table == NODES:
+            self._own_row(entry.id, present=not entry.tombstone)
+            return None
+        if entry.table != INTRODUCTIONS:
+            return None
+        held = self._rows.get(entry.id)
+        if held is not None and (entry.version, entry.origin) <= held[:2]:
+            return None
+        was_pending = held is not None and not held[2] and entry.id not in self._own
+        if not entry.tombstone and entry.id not in self._own:
+            mine = self._pending[entry.origin] - (
+                1 if was_pending and held is not None and held[1] == entry.origin else 0
+            )
+            total = self._total - (1 if was_pending else 0)
+            if mine >= MAX_PENDING_PER_INTRODUCER:
+                return CapRefusal(
+                    PER_INTRODUCER,
+                    f"{entry.origin!r} has introduced {mine} nodes that have no row of their own, the most one node"
+                    f" may ({MAX_PENDING_PER_INTRODUCER})",
+                )
+            if total >= MAX_PENDING_INTRODUCTIONS:
+                return CapRefusal(
+                    IN_ALL,
+                    f"the registry holds {total} introductions of nodes that have no row of their own, the most it"
+                    f" takes ({MAX_PENDING_INTRODUCTIONS})",
+                )
+        if was_pending and held is not None:
+            self._pending[held[1]] -= 1
+            self._total -= 1
+        self._rows[entry.id] = (entry.version, entry.origin, entry.tombstone)
+        if not entry.tombstone and entry.id not in self._own:
+            self._pending[entry.origin] += 1
+            self._total += 1
+        return None
+
+    def _own_row(self, name: str, *, present: bool) -> None:
+        if present == (name in self._own):
+            return
+        held = self._rows.get(name)
+        introduced = held is not None and not held[2]
+        if present:
+            self._own.add(name)
+        else:
+            self._own.discard(name)
+        if introduced and held is not None:
+            step = -1 if present else 1
+            self._pending[held[1]] += step
+            self._total += step
+
+
+def capped(db: Database, entries: Iterable[_Record]) -> list[tuple[_Record, CapRefusal]]:
+    """The registry rows among `entries` (a batch for the system database, in order, the rows that do not verify
+    left out) that the introduction caps refuse, with the cap and why."""
+    rows = [entry for entry in entries if entry.table in TABLES]
+    if not any(entry.table == INTRODUCTIONS and not entry.tombstone for entry in rows):
+        return []
+    caps = IntroductionCaps.of(db, [entry.id for entry in rows if entry.table == INTRODUCTIONS])
+    refused: list[tuple[_Record, CapRefusal]] = []
+    for entry in rows:
+        found = caps.take(entry)
+        if found is not None:
+            refused.append((entry, found))
+    return refused
+
+
+def room_to_introduce(db: Database, introducer: str, name: str) -> CapRefusal | None:
+    """Why `introducer` may not write an introduction of `name` now (`PUT /nodes/{name}`), or None."""
+    proposed = Entry(INTRODUCTIONS, name, b"", _NEWEST, introducer)
+    return IntroductionCaps.of(db, [name]).take(proposed)
+
+
+def _live(db: Database, table: str) -> Iterator[Entry]:
+    after: str | None = None
+    while True:
+        page = db.scan(table, after, _PAGE, skip_damaged=True)
+        yield from page
+        if len(page) < _PAGE:
+            return
+        after = page[-1].id
 
 
 def remove(db: Database, name: str) -> bool:

@@ -44,6 +44,7 @@ never changed; the rest of the data directory is served as usual. The data direc
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import gc
 import hashlib
@@ -57,7 +58,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 
 import msgspec
@@ -75,6 +76,9 @@ SUFFIX = ".sqlite"
 # What SQLite keeps beside a database file, under the file's name and these suffixes.
 SIDECARS = ("-wal", "-shm", "-journal")
 SYSTEM = "system"
+# In the data directory: every process of a node links a new database file into place holding an exclusive flock
+# on it, so the count of files it checks against the limit stays true until its own file is there.
+CREATION_LOCK = ".create.lock"
 NODES = "nodes"
 # The system table of deletion markers (`shared.dropped`): id a database name, version the database's deletion floor.
 DROPPED = "dropped"
@@ -211,6 +215,20 @@ class UnknownDatabase(LookupError):
     def __init__(self, name: str) -> None:
         super().__init__(f"unknown database {name!r}")
         self.name = name
+
+
+class TooManyDatabases(Exception):
+    """Creating the database would make the node hold more than `data.max_databases` (the system database is not
+    counted)."""
+
+    def __init__(self, name: str, held: int, limit: int) -> None:
+        super().__init__(
+            f"cannot create database {name!r}: this node holds {held} databases, the limit"
+            f" (data.max_databases = {limit})"
+        )
+        self.name = name
+        self.held = held
+        self.limit = limit
 
 
 class DatabaseRemoving(UnknownDatabase):
@@ -473,13 +491,15 @@ def _build_file(
     dropped: DeletionFloors = NO_DELETION,
     history: str = own_writes.LOST,
     born_us: int = 0,
+    room: Callable[[Path], AbstractContextManager[None]] | None = None,
 ) -> None:
     """Make a new database file aside, in WAL mode with its schema and epoch, then link it into place.
 
     Processes that create the same database at once each build their own file and only the first link
     wins, so no process ever opens a half-made file or races another to switch it to WAL mode. A database that
     was deleted cluster-wide is born with its deletion floor (`Database.drop_through`): no process ever sees it
-    without, so nothing the deletion covers can land in it.
+    without, so nothing the deletion covers can land in it. `room(path)` is held around the link: it refuses a
+    file past the node's limit (`Store._room`).
     """
     spare = path.with_name(f".{path.name}.{secrets.token_hex(8)}.new")
     conn = sqlite3.connect(spare, isolation_level=None)
@@ -496,7 +516,8 @@ def _build_file(
         # Closing the only connection checkpoints the WAL into the file and removes it.
         conn.close()
     try:
-        os.link(spare, path)
+        with room(path) if room is not None else nullcontext():
+            os.link(spare, path)
     except FileExistsError:
         pass
     finally:
@@ -550,9 +571,11 @@ class Database:
         clock_lead: float = 0.0,
         dropped: DeletionFloors = NO_DELETION,
         history: str = own_writes.LOST,
+        room: Callable[[Path], AbstractContextManager[None]] | None = None,
     ) -> None:
         """`dropped`: the deletion floors a file created here is born with (see `drop_through`). `history`: what
-        this node knows of its earlier writes to it (`shared.own_writes`: new, unknown or lost)."""
+        this node knows of its earlier writes to it (`shared.own_writes`: new, unknown or lost). `room`: held while
+        a new file is linked into place (`Store._room`)."""
         self.name = name
         self.path = path
         self._node = node
@@ -570,7 +593,7 @@ class Database:
         # Called with the database's name after every commit that changed the file (see `Store.on_commit`).
         self.on_commit: Callable[[str], None] | None = None
         if create and not path.exists():
-            _build_file(path, node, _clock_floor(clock, clock_lead), dropped, history, clock() // 1000)
+            _build_file(path, node, _clock_floor(clock, clock_lead), dropped, history, clock() // 1000, room)
         try:
             # absolute(), not resolve(): the name itself is opened, never what a link in its place points at.
             self._conn = sqlite3.connect(
@@ -1638,11 +1661,15 @@ class Store:
         synchronous: str = "NORMAL",
         clock_lead: float = 0.0,
         holdings: bool = False,
+        max_databases: int | None = None,
     ) -> None:
         """`clock_lead`: how far ahead of the wall clock a recovering file's clock starts (max_clock_skew).
         `holdings`: the system database remembers which databases this node has held (`held`), so that a new file
-        of a name never held starts with no history to recover; without it every new file is taken as lost."""
+        of a name never held starts with no history to recover; without it every new file is taken as lost.
+        `max_databases`: no file is created past this many databases in the directory (the system database not
+        counted), whichever process of the node asks (TooManyDatabases); None for no limit."""
         self.data_dir = Path(data_dir)
+        self.max_databases = max_databases
         self._holdings = holdings
         self.node = check_name(node_name, "node")
         self._clock = clock
@@ -1700,12 +1727,31 @@ class Store:
                 clock_lead=self._clock_lead,
                 dropped=floor,
                 history=history,
+                room=self._room if name != SYSTEM and self.max_databases is not None else None,
             )
             db.on_commit = self._committed
             self._databases[name] = db
         if creating and name != SYSTEM:
             self.note_held([name])
         return db
+
+    @contextmanager
+    def _room(self, path: Path) -> Iterator[None]:
+        """Hold the data directory's creation lock while a new database file is linked into place, and refuse the
+        file when the directory holds `max_databases` already. The processes of a node are separate (a worker's
+        client create, another worker's subscription) and share the directory: each checks and links under the
+        same exclusive flock, so no two of them both take the last place."""
+        fd = os.open(self.data_dir / CREATION_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            limit = self.max_databases
+            if limit is not None and not path.exists():
+                held = sum(1 for name in self.names() if name != SYSTEM)
+                if held >= limit:
+                    raise TooManyDatabases(path.name[: -len(SUFFIX)], held, limit)
+            yield
+        finally:
+            os.close(fd)  # releases the flock
 
     # -- what this node has held (meta `held/<name>` of the system database, never replicated) ------------------
 

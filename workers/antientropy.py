@@ -399,8 +399,9 @@ class RoundResult:
     limit: str = ""  # the round failed on this limit (one of messages.ROUND_LIMITS)
     pending_most: int = 0  # the most tree nodes one table had pending at once
     divergent: set[tuple[str, int]] = field(default_factory=set)  # (table, bucket)
-    # Registry rows the peer holds that do not verify here: (name, reason); they are not pulled.
-    refused_rows: list[tuple[str, str]] = field(default_factory=list)
+    # Registry rows the peer holds that do not verify here, or that the introduction caps refuse: (name, reason,
+    # the cap or None); they are not pulled.
+    refused_rows: list[tuple[str, str, str | None]] = field(default_factory=list)
     # Records the peer holds under this node's origin at versions it never wrote, and how many of them this node
     # wrote again as its own (superseding them everywhere).
     foreign: int = 0
@@ -733,7 +734,13 @@ class Round:
         # the answer still counts.
         refused = [entry for entry in entries if self._refuse([entry]) is not None]
         if self._db.name == SYSTEM:
-            self.result.refused_rows.extend((e.id, r) for e, r in self._verifier.refusals(refused))
+            self.result.refused_rows.extend((e.id, r, None) for e, r in self._verifier.refusals(refused))
+            if table == membership.INTRODUCTIONS:
+                # Beyond the caps a round takes no more than a stream would (`membership.IntroductionCaps`).
+                capped = membership.capped(self._db, [entry for entry in entries if entry not in refused])
+                self.result.refused_rows.extend((e.id, cap.reason, cap.limit) for e, cap in capped)
+                left_out = {id(e) for e, _ in capped}
+                entries = [entry for entry in entries if id(entry) not in left_out]
         if refused:
             log.warning(
                 "antientropy_value_refused",

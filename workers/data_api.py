@@ -35,6 +35,7 @@ from replicator.shared.store import (
     Database,
     DatabaseRemoving,
     RefusedFile,
+    TooManyDatabases,
     UnknownDatabase,
 )
 from replicator.shared.wire import Entry
@@ -295,7 +296,11 @@ class DataApi:
             if not write:
                 raise
         self._may_create(name)
-        return self._ctx.database(name, create=True)
+        try:
+            return self._ctx.database(name, create=True)
+        except TooManyDatabases as exc:
+            # Another process of the node took the last place since `_may_create` counted (the store decides).
+            raise BadRequest(409, str(exc)) from None
 
     def _may_create(self, name: str) -> None:
         """BadRequest when this client may not create the database `name`."""
@@ -305,8 +310,7 @@ class DataApi:
         limit = config.data.max_databases
         held = sum(1 for other in self._ctx.store.names() if other != SYSTEM)
         if held >= limit:
-            what = f"this node holds {held} databases, the limit (data.max_databases = {limit})"
-            raise BadRequest(409, f"cannot create database {name!r}: {what}")
+            raise BadRequest(409, str(TooManyDatabases(name, held, limit)))
 
     def _encode_value(self, value: Any) -> bytes:
         return encode_value(value, self._ctx.config.data.max_value_bytes)

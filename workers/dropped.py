@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from replicator.shared import own_writes, wire
 from replicator.shared.deletion import DeletionFloors
-from replicator.shared.store import Database, DatabaseRemoving, RefusedFile
+from replicator.shared.store import Database, DatabaseRemoving, RefusedFile, TooManyDatabases
 from replicator.shared.wire import Entry
 from replicator.workers.context import SYSTEM, WorkerContext
 
@@ -53,7 +53,7 @@ class DroppedDatabase:
                 return 0
             try:
                 self._db = self._ctx.database(self.name, create=True)
-            except (DatabaseRemoving, RefusedFile) as exc:
+            except (DatabaseRemoving, RefusedFile, TooManyDatabases) as exc:
                 raise wire.Refused(str(exc)) from None
         return self._db.apply_batch(entries, marks)
 
@@ -67,5 +67,7 @@ def open_for_subscription(ctx: WorkerContext, name: str) -> Database | DroppedDa
             if floor:
                 return DroppedDatabase(ctx, name, floor)
         return ctx.database(name, create=True)
-    except (DatabaseRemoving, RefusedFile) as exc:
+    except (DatabaseRemoving, RefusedFile, TooManyDatabases) as exc:
+        # The limit holds whoever asks: the coordinator plans within it, and a client's create may have taken the
+        # last place since.
         raise wire.Refused(str(exc)) from None

@@ -41,7 +41,7 @@ from replicator.workers.context import SYSTEM, WorkerContext
 from replicator.workers.counters import Counters
 from replicator.workers.resolver import PinnedResolver
 from replicator.workers.server import ReplicationServer
-from replicator.workers.session import PeerSession
+from replicator.workers.session import PeerSession, note_refused_row
 
 EXIT_OK = 0
 EXIT_BOOT_ERROR = 3
@@ -221,6 +221,7 @@ class Worker:
                 self.config = config_module.decode(data)
                 if self.ctx is not None:
                     self.ctx.config = self.config
+                    self.ctx.store.max_databases = self.config.data.max_databases
                 log.info("worker_reconfigured")
             case messages.Shutdown(deadline=deadline):
                 self._shutdown_deadline = deadline
@@ -243,7 +244,13 @@ class Worker:
         try:
             directory = config_module.data_dir(config)
             directory.mkdir(parents=True, exist_ok=True)
-            store = Store(directory, config.node.name, clock_lead=config.replication.max_clock_skew, holdings=True)
+            store = Store(
+                directory,
+                config.node.name,
+                clock_lead=config.replication.max_clock_skew,
+                holdings=True,
+                max_databases=config.data.max_databases,
+            )
             store.database(SYSTEM, create=True)
             for name in self._removing:
                 store.block(name)
@@ -594,9 +601,8 @@ def _https_transport(http: aiohttp.ClientSession, url: str, ctx: WorkerContext) 
 def report_claims(ctx: WorkerContext, peer: str, database: str, result: antientropy.RoundResult) -> None:
     """Log and count what a round refused: registry rows that do not verify, records under our origin that we
     never wrote (and how many we wrote again as our own)."""
-    for name, reason in result.refused_rows:
-        ctx.counters.inc("replicator_registry_rows_refused_total", peer)
-        log.warning("registry_row_refused", peer=peer, name=name[:70], reason=reason, sample_by=("peer", "name"))
+    for name, reason, limit in result.refused_rows:
+        note_refused_row(ctx, peer, name, reason, limit)
     if result.foreign:
         ctx.counters.inc("replicator_foreign_origin_refusals_total", peer, database, value=result.foreign)
         log.warning(

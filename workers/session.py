@@ -35,11 +35,11 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from replicator.shared import messages, revocation, wire
+from replicator.shared import membership, messages, revocation, wire
 from replicator.shared.backoff import Backoff
 from replicator.shared.histograms import BATCH_APPLY_SECONDS
 from replicator.shared.hlc import physical_seconds
-from replicator.shared.logs import log
+from replicator.shared.logs import LOGGED_NAMES, log
 from replicator.shared.retry_budget import RetryBudget
 from replicator.shared.store import BadName, BadRecord, Database
 from replicator.shared.tls import PeerIdentity, peer_identity
@@ -452,7 +452,8 @@ class PeerSession:
             worker=ctx.worker_id,
             session=session,
             origins=len(progress),
-            exclude=self.sub.exclude,
+            exclude=self.sub.exclude[:LOGGED_NAMES],
+            excluded=len(self.sub.exclude),
         )
         ctx.report(
             messages.Connected(
@@ -764,6 +765,19 @@ def ahead_of(heads: dict[str, int], progress: dict[str, int]) -> dict[str, int]:
     return {origin: progress.get(origin, 0) for origin, head in heads.items() if head > progress.get(origin, 0)}
 
 
+def note_refused_row(ctx: WorkerContext, peer: str, name: str, reason: str, limit: str | None) -> None:
+    """Count and log a registry row refused from `peer`, by a session or an anti-entropy round; `limit` names the
+    introduction cap it is past, None for a row that does not verify. Sampled per peer (and cap): the names are the
+    peer's to choose, thousands of them each its own."""
+    ctx.counters.inc("replicator_registry_rows_refused_total", peer)
+    if limit is None:
+        log.warning("registry_row_refused", peer=peer, name=name[:70], reason=reason, sample_by=("peer",))
+    else:
+        log.warning(
+            "registry_row_refused", peer=peer, name=name[:70], reason=reason, limit=limit, sample_by=("peer", "limit")
+        )
+
+
 def refuse_registry_rows(
     ctx: WorkerContext,
     peer: str,
@@ -771,20 +785,26 @@ def refuse_registry_rows(
     marks: dict[str, int],
     refused_below: dict[str, int],
 ) -> tuple[list[wire.Entry], dict[str, int]]:
-    """The entries of a system-database batch without the registry rows that do not verify (each logged as
-    `registry_row_refused`), and the batch's marks held below each refused row: this node does not hold it, so its
-    position for that origin must not pass it (invariant 13). `refused_below` is the session's: once a row of an
-    origin is refused, no later batch of the session moves that origin's position past it either (the sender,
-    which does not know, marks on); the next session is served from below it again, when the row may verify (a
-    CA bundle here that gains the signer's CA, as during a rotation). Skipped, not the whole batch: the rest of the
-    stream must go on."""
-    refused = ctx.verifier.refusals(entries)
-    for entry, reason in refused:
-        ctx.counters.inc("replicator_registry_rows_refused_total", peer)
-        log.warning("registry_row_refused", peer=peer, name=entry.id[:70], reason=reason, sample_by=("peer", "name"))
+    """The entries of a system-database batch without the registry rows that do not verify, or that the
+    introduction caps refuse (`membership.capped`; each logged as `registry_row_refused`), and the batch's marks
+    held below each refused row: this node does not hold it, so its position for that origin must not pass it
+    (invariant 13). `refused_below` is the session's: once a row of an origin is refused, no later batch of the
+    session moves that origin's position past it either (the sender, which does not know, marks on); the next
+    session is served from below it again, when the row may verify (a CA bundle here that gains the signer's CA, as
+    during a rotation) or fit (an introduction removed since). Skipped, not the whole batch: the rest of the stream
+    must go on. The log is sampled per peer, and per cap: a peer that sends thousands of rows, each with a name of
+    its own, writes a few lines and a suppressed count."""
+    refused = [(entry, reason, None) for entry, reason in ctx.verifier.refusals(entries)]
+    if any(entry.table == membership.INTRODUCTIONS for entry in entries):
+        bad = {id(entry) for entry, _, _ in refused}
+        verified = [entry for entry in entries if id(entry) not in bad]
+        system = ctx.store.database(SYSTEM)
+        refused += [(entry, cap.reason, cap.limit) for entry, cap in membership.capped(system, verified)]
+    for entry, reason, limit in refused:
+        note_refused_row(ctx, peer, entry.id, reason, limit)
         refused_below[entry.origin] = min(refused_below.get(entry.origin, entry.version), entry.version - 1)
     if not refused_below:
         return entries, marks
     held = {origin: min(mark, refused_below.get(origin, mark)) for origin, mark in marks.items()}
-    dropped = {id(entry) for entry, _ in refused}
+    dropped = {id(entry) for entry, _, _ in refused}
     return [entry for entry in entries if id(entry) not in dropped], held

@@ -117,6 +117,17 @@ async def test_inbound_lies_are_refused_and_create_nothing(pair: tuple[LocalClus
     await unharmed.check()
 
 
+class _ClosedEarly(Exception):
+    """The node closed the session during the handshake (it unsubscribed, or renewed the pair)."""
+
+
+async def _handshake_frame(ws: Any) -> Any:
+    message = await ws.receive(timeout=10)
+    if message.type is not aiohttp.WSMsgType.BINARY:
+        raise _ClosedEarly(str(message.type))
+    return wire.decode(message.data)
+
+
 class FakePeer:
     """A registered peer the node dials: `serve(ws, subscribe)` plays the sending end after the handshake."""
 
@@ -157,6 +168,9 @@ class FakePeer:
                 return True
 
             await wait_for(undialled, 60, "the nodes to stop dialling mallet")
+            # The workers end their sessions with mallet themselves, a moment after the coordinators drop the
+            # pairs: stopping the server first would leave the connections still closing to the garbage collector.
+            await wait_for(lambda: not self._open, 30, "the nodes to close their sessions with mallet")
         for ws in list(self._open):
             await ws.close()
         if self._runner is not None:
@@ -167,14 +181,14 @@ class FakePeer:
         await ws.prepare(request)
         self._open.add(ws)
         try:
-            hello = wire.decode((await ws.receive(timeout=10)).data)
+            hello = await _handshake_frame(ws)
             assert isinstance(hello, wire.Hello)
             self.dials.append((hello.node, asyncio.get_running_loop().time()))
             await ws.send_bytes(wire.encode(wire.Hello(node="mallet", capabilities=wire.CAPABILITIES, wall=0.0)))
-            subscribe = wire.decode((await ws.receive(timeout=10)).data)
+            subscribe = await _handshake_frame(ws)
             assert isinstance(subscribe, wire.Subscribe)
             await self.serve(ws, subscribe)
-        except (TimeoutError, ConnectionError, wire.MalformedFrame):
+        except (TimeoutError, ConnectionError, wire.MalformedFrame, _ClosedEarly):
             pass
         self._open.discard(ws)
         if not ws.closed:

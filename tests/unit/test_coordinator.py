@@ -829,3 +829,56 @@ def test_a_slow_copy_is_warned_about_once_per_session(
     events = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
     slow = [e for e in events if e["event"] == "copy_slow"]
     assert [(e["database"], e["records"], e["total"], e["mb_s"]) for e in slow] == [("db", 10_000, 1_000_000, 0.03)]
+
+
+# -- route changes under a storm of new links (issue 21: 3,000 introductions stalled the coordinator 221 s) ---------
+
+
+def test_a_storm_of_new_links_renews_each_pair_once_and_logs_what_changed(
+    loop: VirtualTimeLoop, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A registry pass that adds 200 direct links changes every pair's exclusions once, not once per link, and the
+    route change writes one line saying what changed (capped lists and counts), not every pair's whole exclusion."""
+    import json
+
+    from replicator.shared.logs import LOGGED_NAMES
+
+    node, supervisor = make_node(loop)
+    b, c = peer("b", 2000), peer("c", 3000)
+    add(node, b)
+    add(node, c)
+    loop.advance(2.0)  # every pair of b and c dispatched, and up
+    for view in (b, c):
+        entry = node.map.by_peer(view.name)
+        assert entry is not None
+        for database in ("system", "db"):
+            connect(node, view, database, worker=entry.worker, session=1)
+    capsys.readouterr()
+    ghosts = [
+        NodeView(name=f"g{i:03d}", url=f"wss://127.0.0.1:{10000 + i}", holds=(), static=True, version=1)
+        for i in range(200)
+    ]
+    for ghost in ghosts:  # one registry pass
+        add(node, ghost)
+    loop.advance(1.0)
+    events = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+    # The ghosts hold nothing but the system database: only its pairs change, each set up again once.
+    (route,) = [e for e in events if e["event"] == "route_changed"]
+    assert route["database"] == "system" and "exclude" not in route
+    assert (route["pairs"], route["peers"]) == (2, ["b", "c"])
+    assert (route["added"], route["added_count"]) == ([g.name for g in ghosts[:LOGGED_NAMES]], 200)
+    assert (route["removed"], route["removed_count"]) == ([], 0)
+    armed = [e for e in events if e["event"] == "subscription_setup_armed" and e["peer"] in ("b", "c")]
+    assert sorted((e["peer"], e["database"]) for e in armed) == [("b", "system"), ("c", "system")]
+    # No ghost ever connects: all fail over at one timer's time, one more route change.
+    loop.advance(node.config.replication.failover_after + 1.0)
+    events = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+    (route,) = [e for e in events if e["event"] == "route_changed"]
+    assert route["removed_count"] == 200 and len(route["removed"]) == LOGGED_NAMES
+    assert route["pairs"] >= 2 and len(route["peers"]) <= LOGGED_NAMES
+    assert node.router.exclude("system", "b") == ["c"]
+    # Every pair holds the route as it stands.
+    for entry in node.map:
+        for database, pair in entry.pairs.items():
+            assert pair.payload.exclude == node.router.exclude(database, entry.peer)
+    assert len(supervisor.of(messages.Subscribe)) > 0

@@ -259,3 +259,119 @@ def test_the_verifier_remembers_the_newest_version_of_each_row_only(
     assert "does not match" in _reason(verifier, forged)
     assert verifier.verify(versions[-1]).signer.name == "b"
     assert len(verifier._cache) == 1
+
+
+# -- introduction caps (issue 21: 3,000 introductions of nodes that do not exist stalled a coordinator) --------------
+
+
+def _intro(name: str, origin: str, version: int = V, tombstone: bool = False) -> Entry:
+    return Entry(INTRODUCTIONS, name, b"" if tombstone else b"\xc0", version, origin, tombstone)
+
+
+def _own(name: str, version: int = V, tombstone: bool = False) -> Entry:
+    return Entry(NODES, name, b"" if tombstone else b"\xc0", version, name, tombstone)
+
+
+def test_pending_introductions_are_capped_per_introducer_and_in_all() -> None:
+    caps = membership.IntroductionCaps({}, set())
+    per = membership.MAX_PENDING_PER_INTRODUCER
+    assert [caps.take(_intro(f"g{i}", "mallet")) for i in range(per)] == [None] * per
+    refused = caps.take(_intro("g-over", "mallet"))
+    assert refused is not None and refused.limit == membership.PER_INTRODUCER
+    assert f"'mallet' has introduced {per} nodes" in refused.reason
+    assert caps.pending("mallet") == per
+    # Rewriting one of its own introductions takes no new place; an older version of it loses and counts nothing.
+    assert caps.take(_intro("g5", "mallet", V + 1)) is None
+    assert caps.take(_intro("g5", "mallet", V - 1)) is None
+    assert caps.pending("mallet") == per
+    # An own row ends an introduction's pending, and a removed introduction frees its place.
+    assert caps.take(_own("g6")) is None
+    assert caps.take(_intro("g-a", "mallet")) is None
+    assert caps.take(_intro("g-b", "mallet")) is not None
+    assert caps.take(_intro("g7", "mallet", V + 1, tombstone=True)) is None
+    assert caps.take(_intro("g-b", "mallet")) is None
+    # An introduction of a node with an own row is never refused: it shows nothing the own row does not.
+    assert caps.take(_intro("g6", "mallet", V + 2)) is None
+    # The own row removed, its introduction is pending again; a removal is never refused, even past the cap.
+    assert caps.take(_own("g6", V + 3, tombstone=True)) is None
+    assert caps.pending("mallet") == per + 1
+    # Another node's introduction of one of mallet's moves the place from mallet to it.
+    assert caps.take(_intro("g8", "b", V + 5)) is None
+    assert (caps.pending("mallet"), caps.pending("b")) == (per, 1)
+    # In all: every introducer may be within its own cap and the registry full.
+    total = membership.MAX_PENDING_INTRODUCTIONS
+    fill = [f"n{i}" for i in range(total - caps.total)]
+    for index, name in enumerate(fill):
+        assert caps.take(_intro(name, f"x{index // per}")) is None
+    assert caps.total == total
+    refused = caps.take(_intro("one-more", "newcomer"))
+    assert refused is not None and refused.limit == membership.IN_ALL and f"({total})" in refused.reason
+
+
+def test_a_batch_is_judged_against_the_database_and_its_own_rows(system: Database) -> None:
+    per = membership.MAX_PENDING_PER_INTRODUCER
+    system.apply_batch([_intro(f"g{i}", "mallet", V + i) for i in range(per)])
+    assert membership.room_to_introduce(system, "mallet", "g-new") is not None
+    assert membership.room_to_introduce(system, "mallet", "g3") is None  # rewriting one it holds
+    assert membership.room_to_introduce(system, "a", "g-new") is None
+    batch = [_intro("g-first", "mallet", V + 100), _own("g0", V + 101), _intro("g-second", "mallet", V + 102)]
+    assert [(entry.id, cap.limit) for entry, cap in membership.capped(system, batch)] == [
+        ("g-first", membership.PER_INTRODUCER)
+    ]
+    # A row that loses to a removal held here changes nothing: never refused, whatever the count.
+    system.apply_batch([_intro("g1", "mallet", V + 200, tombstone=True), _intro("g-late", "mallet", V + 201)])
+    assert membership.capped(system, [_intro("g1", "mallet", V + 150)]) == []
+    assert [entry.id for entry, _ in membership.capped(system, [_intro("g1", "mallet", V + 250)])] == ["g1"]
+    # A batch without introductions costs no read.
+    assert membership.capped(system, [_own("zed")]) == []
+
+
+def test_the_registry_as_read_never_holds_more_introductions_than_the_caps(
+    verifier: Verifier, signers: dict[str, Signer], system: Database
+) -> None:
+    """Rows written before the caps (or let in by two workers deciding at once) are not taken: the oldest are."""
+    mallet, b = signers["mallet"], signers["b"]
+    per = membership.MAX_PENDING_PER_INTRODUCER
+    rows = [signed_entry(mallet, INTRODUCTIONS, _row(f"g{i:03d}"), V + 1000 - i) for i in range(per + 10)]
+    rows.append(signed_entry(mallet, INTRODUCTIONS, _row("b"), V))  # b has its own row: not pending
+    rows.append(signed_entry(b, NODES, _row("b"), V))
+    system.apply_batch(rows)
+    listing = verifier.listing(system)
+    introduced = sorted(name for name, (_, _, source) in listing.items() if source == "introduced by mallet")
+    # The oldest versions are the highest indexes.
+    assert introduced == sorted(f"g{i:03d}" for i in range(10, per + 10))
+    assert listing["b"][2] == "own"
+    assert membership.within_caps([(V, "x", "i1"), (V - 1, "y", "i1")]) == {"x", "y"}
+
+
+def test_a_session_refuses_introductions_past_the_caps_holds_its_position_and_logs_a_few_lines(
+    verifier: Verifier, signers: dict[str, Signer], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import io
+    import json
+    from types import SimpleNamespace
+
+    from replicator.shared.logs import EventLog
+    from replicator.workers import session
+    from replicator.workers.counters import Counters
+
+    stream = io.StringIO()
+    monkeypatch.setattr(session, "log", EventLog(stream, burst=5, window=10.0))
+    mallet = signers["mallet"]
+    per = membership.MAX_PENDING_PER_INTRODUCER
+    with Store(tmp_path / "node", "a") as store:
+        store.database("system", create=True)
+        ctx = SimpleNamespace(verifier=verifier, counters=Counters(), store=store)
+        entries = [signed_entry(mallet, INTRODUCTIONS, _row(f"ghost{i}"), V + i) for i in range(per + 300)]
+        entries.append(signed_entry(mallet, NODES, _row("mallet"), V + 5000))
+        marks = {"mallet": V + 5000}
+        refused_below: dict[str, int] = {}
+        kept, held = session.refuse_registry_rows(ctx, "mallet", entries, marks, refused_below)  # type: ignore[arg-type]
+        assert [entry.id for entry in kept] == [f"ghost{i}" for i in range(per)] + ["mallet"]
+        # Not past the first refused row: the next session is served from below it again.
+        assert held == {"mallet": V + per - 1} and refused_below == {"mallet": V + per - 1}
+        lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+        assert [line["event"] for line in lines] == ["registry_row_refused"] * 5
+        assert {line["limit"] for line in lines} == {membership.PER_INTRODUCER}
+        (delta,) = ctx.counters.drain()
+        assert delta.value == 300

@@ -290,3 +290,24 @@ def test_the_node_resubscribes_the_other_pairs_when_an_origin_fails_over_and_bac
     back = sorted((m.peer, tuple(m.exclude)) for _, _, m in supervisor.of(messages.Subscribe))
     assert back == [("b", ("c", "d")), ("d", ("b", "c"))]
     assert node.router.failed_over() == {}
+
+
+def test_links_tracked_a_moment_apart_fail_over_together(loop: VirtualTimeLoop) -> None:
+    """A registry pass adds its links over the pass's own duration: their failovers come at the first one's time,
+    in one turn of the loop, so the node renews every pair of the database once (issue 21), not once per link."""
+    from replicator.coordinator.routing import SIMULTANEOUS
+
+    router, changes = make_router(loop)
+    ghosts = [f"g{i:03d}" for i in range(100)]
+    for index, name in enumerate(ghosts):
+        loop.advance_to(index * SIMULTANEOUS / 200)  # 100 links over a quarter of SIMULTANEOUS
+        router.track("db", name)
+    loop.advance_to(1.0)
+    router.track("db", "late")
+    loop.advance_to(FAILOVER + 0.999)
+    assert {when for when, _ in changes} == {FAILOVER}
+    assert len(changes) == len(ghosts) and router.failed_over() == {"db": ghosts}
+    loop.advance_to(FAILOVER + 1.0)
+    assert changes[-1] == (FAILOVER + 1.0, "db")  # a link due later than that switches on its own time
+    assert router.mode("db", "late") is Mode.FAILED_OVER
+    assert loop.pending_timers() == []
