@@ -24,8 +24,8 @@ refer to is safe here, so the cursor it advances never passes a record whose blo
 that fails (the link broke, a timeout) raises `FetchFailed`: the session ends, nothing of the batch is applied, and
 the next session resumes the partial file. A blob the peer does not have (404) cannot come from it however long the
 stream waits: the record is applied without it, `blob_missing` is logged as an error and counted, and the repair
-(`workers.blob_repair`) fetches it later from any peer that has it. A refused blob takes the same way (the repair
-refuses it too, until `data.max_value_bytes` is raised).
+(`workers.blob_repair`) fetches it later from any peer that has it. A refused blob takes the same way, logged as
+`blob_refused` instead (and the repair refuses it too, until `data.max_value_bytes` is raised).
 """
 
 from __future__ import annotations

@@ -98,8 +98,13 @@ async def _announce(ws: Any, folder: Path, peer: FakePeer, database: str) -> Non
 
 
 async def _acked(ws: Any) -> None:
-    while not isinstance(wire.decode((await ws.receive(timeout=30)).data), wire.Ack):
-        pass
+    """Wait for the node's Ack of the batch sent; ConnectionError (FakePeer ends the session) if it closes first."""
+    while True:
+        message = await ws.receive(timeout=30)
+        if message.type != web.WSMsgType.BINARY:
+            raise ConnectionError(f"the node closed the session: {message.type.name}")
+        if isinstance(wire.decode(message.data), wire.Ack):
+            return
 
 
 def _cluster(make_cluster: Callable[..., LocalCluster], tmp_path: Path, **replication: Any) -> LocalCluster:
