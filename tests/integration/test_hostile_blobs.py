@@ -127,6 +127,7 @@ async def test_a_reference_claiming_2_62_bytes_is_refused_and_no_part_file_grows
         that resumes its partial file grows it by that much)."""
         asked.append(request.match_info["hash"])
         response = web.StreamResponse()
+        response.force_close()  # no idle TLS connection left for FakePeer.close to tear down
         await response.prepare(request)
         for _ in range(64):
             await response.write(b"\0" * 65536)
@@ -261,6 +262,7 @@ async def test_a_trickling_sender_is_cut_off_by_the_minimum_rate_and_redialled_o
         served.append(start)
         response = web.StreamResponse(status=206 if start else 200)
         response.content_length = len(data) - start
+        response.force_close()  # no idle TLS connection left for FakePeer.close to tear down
         if start:
             response.headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
         await response.prepare(request)
