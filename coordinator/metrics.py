@@ -73,6 +73,8 @@ SAMPLED_EVENTS = (
     "commit_retry",
     "admin_request_refused",
     "admin_connection_refused",
+    "blob_refused",
+    "blob_transfer_aborted",
 )
 # The caps a refused connection names (workers.listener); their counters start at 0 so a rate exists.
 CONNECTION_LIMITS = ("max_connections", "max_connections_per_client", "max_handshakes")
@@ -110,6 +112,21 @@ FED_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "replicator_blobs_missing_total": (
         "Records applied without their blob because the peer that sent them did not have it (repair-blobs)",
+        ("database",),
+    ),
+    "replicator_blobs_refused_total": (
+        "Blobs not fetched because their reference claims more than data.max_value_bytes (each record is applied"
+        " without its blob)",
+        ("peer", "database"),
+    ),
+    "replicator_blob_transfers_aborted_total": (
+        "Blob downloads cut for being slower than replication.blob_min_rate over a window or past their deadline"
+        " (resumed by a later attempt)",
+        ("peer", "database"),
+    ),
+    "replicator_blob_check_bytes_total": (
+        "Bytes of blob files hashed to check them before they are served to peers (once per version of a file and"
+        " worker, not per request)",
         ("database",),
     ),
     "replicator_log_events_suppressed_total": ("Repeated identical warnings not written to the log", ("event",)),
@@ -204,6 +221,9 @@ ZERO_SERIES: dict[str, Known | tuple[str, ...]] = {
     "replicator_antientropy_failures_total": Known.PAIRS,
     "replicator_antientropy_limits_exceeded_total": Known.PAIR_LIMITS,
     "replicator_blobs_missing_total": Known.DATABASES,
+    "replicator_blobs_refused_total": Known.PAIRS,
+    "replicator_blob_transfers_aborted_total": Known.PAIRS,
+    "replicator_blob_check_bytes_total": Known.DATABASES,
     "replicator_log_events_suppressed_total": SAMPLED_EVENTS,
     "replicator_connections_refused_total": CONNECTION_LIMITS,
     "replicator_admin_refused_total": ADMIN_REFUSALS,

@@ -12,10 +12,15 @@ which is what they should: equal references mean equal content. The value itself
 A file reaches its final name only complete: written (or downloaded) under another name, fsynced, renamed, and the
 folder fsynced. Content addressing makes every writer of one name write the same bytes, so a rename over an
 existing file is harmless. Only one process appends to a `.part` file at a time: it holds an exclusive `flock` on it.
+
+A reference a peer sends may claim any size up to 2^64: no download starts for one above `data.max_value_bytes`
+(`too_large`), and a `.part` file never holds more bytes than its reference says (`Partial.write`). The serving end
+hashes a file once per version of it, not per request (`Checked`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import fcntl
@@ -24,6 +29,8 @@ import os
 import re
 import tempfile
 import threading
+from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -68,6 +75,14 @@ def parse(value: bytes) -> Ref | None:
 
 def ref_of(data: bytes) -> Ref:
     return Ref(hashlib.sha256(data).digest(), len(data))
+
+
+def too_large(ref: Ref, limit: int) -> str | None:
+    """Why a blob is not fetched for its size (above `data.max_value_bytes`, which no local write may pass either),
+    None when its size is within the limit."""
+    if ref.size <= limit:
+        return None
+    return f"blob {ref.hex}: its reference claims {ref.size} bytes, above data.max_value_bytes ({limit})"
 
 
 class BlobMismatch(Exception):
@@ -156,6 +171,17 @@ class BlobStore:
     def discard(self, ref: Ref) -> None:
         """Remove the blob's file (a damaged one, before it is fetched again)."""
         self.path(ref).unlink(missing_ok=True)
+
+    def discard_partial(self, ref: Ref) -> int:
+        """Remove what a download of `ref` left (one that may not be resumed: the blob is above the size limit);
+        the bytes freed, 0 when there was none."""
+        path = self.path(ref).with_name(ref.hex + PART)
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except FileNotFoundError:
+            return 0
+        return size
 
     def partial(self, ref: Ref) -> Partial:
         """The download of `ref`, resumed from what an earlier one left. BlobBusy while another holds it."""
@@ -281,6 +307,83 @@ class Partial:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+CHECKED_ENTRIES = 4096  # files whose check `Checked` remembers, per process: about 1 MB at most
+
+
+class _Version(NamedTuple):
+    """One version of a file: a file replaced, rewritten or truncated has another."""
+
+    path: str
+    device: int
+    inode: int
+    size: int
+    modified_ns: int
+    changed_ns: int
+
+
+class Checked:
+    """What the sha256 check of each blob file found (its size when intact, None when damaged), remembered per
+    version of the file: its path, device, inode, size and modification and change times. A file replaced,
+    rewritten or truncated since is another version and is hashed again; a file is hashed once per version
+    however many requests ask for it, and requests that arrive while it is being hashed wait for that one hash.
+
+    Bounded: the CHECKED_ENTRIES most recently used versions are kept. Bit rot that changes no time is not seen
+    here: `BlobStore.read` (the data API) and `BlobStore.verify` (repair-blobs) hash every time, a receiver checks
+    the sha256 of every download, and the serving end hashes a whole blob as it sends it (`workers.blobs.serve`),
+    calling `forget` when it finds the file damaged."""
+
+    def __init__(self, entries: int = CHECKED_ENTRIES) -> None:
+        self._entries = entries
+        self._found: OrderedDict[_Version, int | None] = OrderedDict()
+        self._running: dict[_Version, asyncio.Future[int | None]] = {}
+
+    def __len__(self) -> int:
+        return len(self._found)
+
+    @staticmethod
+    def _version(path: Path) -> _Version | None:
+        try:
+            found = path.stat()
+        except FileNotFoundError:
+            return None
+        return _Version(str(path), found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns, found.st_ctime_ns)
+
+    async def size(self, store: BlobStore, name: str, on_hashed: Callable[[int], None] | None = None) -> int | None:
+        """`store.check(name)`, hashed on a thread only when this version of the file was not checked before;
+        `on_hashed(bytes)` is told the size of each file hashed. The hash runs to its end, and is remembered,
+        even when every request waiting for it has gone."""
+        version = self._version(store.path(name))
+        if version is None:
+            return None
+        if version in self._found:
+            self._found.move_to_end(version)
+            return self._found[version]
+        running = self._running.get(version)
+        if running is None:
+            running = asyncio.ensure_future(asyncio.to_thread(store.check, name))
+            self._running[version] = running
+            running.add_done_callback(lambda task: self._hashed(version, task, on_hashed))
+        return await asyncio.shield(running)
+
+    def _hashed(
+        self, version: _Version, task: asyncio.Future[int | None], on_hashed: Callable[[int], None] | None
+    ) -> None:
+        del self._running[version]
+        if task.cancelled() or task.exception() is not None:
+            return  # an I/O error: nothing is remembered, the next request hashes again
+        if on_hashed is not None:
+            on_hashed(version.size)
+        self._found[version] = task.result()
+        while len(self._found) > self._entries:
+            self._found.popitem(last=False)
+
+    def forget(self, store: BlobStore, name: str) -> None:
+        """Check the file again at its next request (it was found damaged another way)."""
+        path = str(store.path(name))
+        for version in [version for version in self._found if version.path == path]:
+            del self._found[version]
 
 
 def _sync_folder(directory: Path) -> None:

@@ -143,6 +143,13 @@ class ReplicationSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tru
     # Bytes per second this node serves each blob download at, 0 for no limit: a cap on what blob catch-up takes of
     # a link.
     blob_rate: float = 0.0
+    # A blob download (`workers.blobs`) that receives fewer than blob_min_rate x blob_rate_window bytes in one
+    # window of blob_rate_window seconds, or runs past blob_deadline + its size / blob_min_rate seconds, is cut:
+    # a peer trickling a blob cannot hold a session (and the records waiting on the blob) for long. The session
+    # ends and is redialled on its backoff; the next one resumes the partial file.
+    blob_min_rate: float = 64 * 1024.0
+    blob_rate_window: float = 30.0
+    blob_deadline: float = 60.0
 
 
 class PeerSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -336,6 +343,9 @@ def _check(config: Config, source: str) -> None:
         "replication.antientropy_rate": (0.0, 1e9, False, "records per second"),
         "replication.scrub_rate": (0.0, 1e9, False, "rows per second"),
         "replication.blob_rate": (0.0, 1e9, True, "bytes per second"),
+        "replication.blob_min_rate": (0.0, 1e9, False, "bytes per second"),
+        "replication.blob_rate_window": (0.0, 3600.0, False, "seconds"),
+        "replication.blob_deadline": (0.0, day, False, "seconds"),
         "replication.redial_rate": (0.0, 1e6, True, "dials per second"),
         "log.sample_window": (0.0, day, False, "seconds"),
     }
@@ -359,6 +369,13 @@ def _check(config: Config, source: str) -> None:
         value = getattr(getattr(config, section), name)
         if not least <= value <= most:
             fail(key, f"must be a whole number in {least}..{most}, got {value}")
+    if 0 < rep.blob_rate < rep.blob_min_rate:
+        # Served slower than every receiver's minimum rate, each download would be cut before it ends.
+        fail(
+            "replication.blob_rate",
+            f"must be 0 (no limit) or at least replication.blob_min_rate ({rep.blob_min_rate:g} bytes per second),"
+            f" got {rep.blob_rate!r}: a receiver cuts a blob download served slower than that",
+        )
     if 0 < rep.redial_rate < MIN_REDIAL_RATE:
         # A budget that slow would leave a pair waiting hours for its next dial, past every re-drive.
         least = f"{MIN_REDIAL_RATE:g} dials per second"

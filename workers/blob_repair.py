@@ -174,9 +174,11 @@ async def repair_database(
         reasons = []
         for name, url in peers:
             try:
-                if await transfer.fetch(http, ctx.client_ssl, url, database, item.ref, store, peer=name):
+                if await transfer.fetch(ctx, http, url, database, item.ref, store, peer=name):
                     return None
                 reasons.append(f"{name}: does not hold it")
+            except transfer.BlobRefused as exc:
+                return exc.reason  # the same from every peer
             except transfer.FetchFailed as exc:
                 reasons.append(f"{name}: {exc.reason}")
         return "; ".join(reasons) or "no peer holds the database"

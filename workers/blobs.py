@@ -5,31 +5,42 @@
 The server (`serve`) authorizes the peer like any replication request, verifies the file against its sha256 before
 sending a byte (a damaged blob is never served: 404, as a missing one), and streams it in CHUNK pieces; each write
 waits for the socket to drain, so TCP's window is the back-pressure, and `replication.blob_rate` optionally caps the
-rate. A receiver fetches from the peer it got the reference from (`ensure`), into `<sha256>.part`, resuming with a
+rate. The verification is remembered per version of the file (`shared.blobs.Checked`): a Range request reads the
+bytes it asks for, not the whole blob again. An answer from the first byte hashes what it sends, and stops before
+its last chunk when the file no longer matches its sha256 (the answer is cut, the file is checked again at the next
+request and found damaged). An answer runs at most `replication.blob_deadline` + its bytes / `blob_min_rate`.
+
+A receiver fetches from the peer it got the reference from (`ensure`), into `<sha256>.part`, resuming with a
 Range request where an interrupted download stopped, and renames the file into place only once its size and sha256
-are right.
+are right. A reference above `data.max_value_bytes` is never fetched (`BlobRefused`: `blob_refused` is logged and
+counted, and the record is applied without its blob, as one the peer lacks). A download is held to its `Pace`: each
+`replication.blob_rate_window` must bring `blob_min_rate` x window bytes, and the whole of it must arrive within
+`blob_deadline` + its size / `blob_min_rate`; a download that breaks either is cut (`TransferAborted`, logged as
+`blob_transfer_aborted` and counted), its partial file kept for the next attempt, which comes on the session's
+reconnect backoff: a cut never starts that schedule over (`workers.session.refused_input`).
 
 `ensure` is the durability watermark: a batch (or an anti-entropy pull) is applied only once every blob its records
 refer to is safe here, so the cursor it advances never passes a record whose blob is still on the way. A download
 that fails (the link broke, a timeout) raises `FetchFailed`: the session ends, nothing of the batch is applied, and
 the next session resumes the partial file. A blob the peer does not have (404) cannot come from it however long the
 stream waits: the record is applied without it, `blob_missing` is logged as an error and counted, and the repair
-(`workers.blob_repair`) fetches it later from any peer that has it.
+(`workers.blob_repair`) fetches it later from any peer that has it. A refused blob takes the same way, logged as
+`blob_refused` instead (and the repair refuses it too, until `data.max_value_bytes` is raised).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import re
-import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from replicator.shared import blobs, wire
-from replicator.shared.config import NAME_RE
+from replicator.shared.config import NAME_RE, Config
 from replicator.shared.http_errors import error_response, error_text
 from replicator.shared.logs import log
 from replicator.shared.wire import Entry
@@ -45,11 +56,77 @@ _RANGE = re.compile(r"^bytes=(\d{1,19})-$")
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-\d+/\d+$")
 
 
+LIMIT_MIN_RATE = "min_rate"
+LIMIT_DEADLINE = "deadline"
+
+
 class FetchFailed(wire.SessionError):
     """A blob could not be downloaded (link, timeout, a peer's error, bytes that are not the blob): the batch
     waiting for it is not applied, and the session ends."""
 
     code = wire.CLOSE_GOING_AWAY
+
+
+class BlobRefused(FetchFailed):
+    """A blob this node does not fetch at all: its reference claims more bytes than `data.max_value_bytes`. A
+    batch is applied past it (the record without its blob); a repair names it as not repaired."""
+
+
+class TransferAborted(FetchFailed):
+    """A download cut for its pace: slower than `replication.blob_min_rate` over a window (`limit` "min_rate"),
+    or past its deadline ("deadline"). Its partial file stays, to be resumed by the next attempt."""
+
+    def __init__(self, reason: str, limit: str) -> None:
+        super().__init__(reason)
+        self.limit = limit
+
+
+class Pace:
+    """The minimum rate and the deadline one download is held to, on the loop's clock (monotonic seconds).
+
+    From `now`, each window of `window` seconds must bring at least `min_rate` x `window` bytes (bytes count in the
+    window in which they arrive), and the whole download must end by `now + allowance + remaining / min_rate`.
+    The deadline also covers what the windows do not see: the wait for the answer's head, and the final fsync."""
+
+    def __init__(self, remaining: int, *, min_rate: float, window: float, allowance: float, now: float) -> None:
+        self.min_rate = min_rate
+        self.window = window
+        self.started = now
+        self.deadline = now + allowance + remaining / min_rate
+        self.received = 0
+        self.window_bytes = 0  # received in the window in progress
+        self._window_end = now + window
+
+    @classmethod
+    def of(cls, config: Config, remaining: int, now: float) -> Pace:
+        settings = config.replication
+        return cls(
+            remaining,
+            min_rate=settings.blob_min_rate,
+            window=settings.blob_rate_window,
+            allowance=settings.blob_deadline,
+            now=now,
+        )
+
+    def next_check(self) -> float:
+        """When `check` may next find a limit broken, if no byte arrives before."""
+        return min(self._window_end, self.deadline)
+
+    def check(self, now: float) -> str | None:
+        """The limit the download has broken by `now` (LIMIT_DEADLINE, LIMIT_MIN_RATE), else None. Call it before
+        `add` for bytes that arrived at `now`: they belong to the window in progress at `now`."""
+        if now >= self.deadline:
+            return LIMIT_DEADLINE
+        while now >= self._window_end:
+            if self.window_bytes < self.min_rate * self.window:
+                return LIMIT_MIN_RATE
+            self._window_end += self.window
+            self.window_bytes = 0
+        return None
+
+    def add(self, count: int) -> None:
+        self.received += count
+        self.window_bytes += count
 
 
 def blob_url(peer_url: str, database: str, ref: blobs.Ref) -> str:
@@ -85,9 +162,9 @@ async def ensure(
     peer: str,
     entries: list[Entry],
 ) -> None:
-    """Return once every blob `entries` refer to is held here or known to be missing at the peer; FetchFailed when a
-    download fails. The session's reader goes on meanwhile (answering the sender's pings); the sender's window
-    stops it sending more than a few batches ahead."""
+    """Return once every blob `entries` refer to is held here, known to be missing at the peer, or refused for its
+    size; FetchFailed when a download fails. The session's reader goes on meanwhile (answering the sender's
+    pings); the sender's window stops it sending more than a few batches ahead."""
     missing = wanted(ctx, database, entries)
     if not missing:
         return
@@ -95,9 +172,12 @@ async def ensure(
     limit = asyncio.Semaphore(PARALLEL_DOWNLOADS)
 
     async def one(entry: Entry, ref: blobs.Ref) -> None:
-        async with limit:
-            if await fetch(http, ctx.client_ssl, peer_url, database, ref, store, peer=peer):
-                return
+        try:
+            async with limit:
+                if await fetch(ctx, http, peer_url, database, ref, store, peer=peer, record=entry):
+                    return
+        except BlobRefused:
+            return  # logged and counted; applied without its blob, as below
         ctx.counters.inc("replicator_blobs_missing_total", database)
         log.error(
             "blob_missing",
@@ -147,17 +227,39 @@ def for_round(
 
 
 async def fetch(
+    ctx: WorkerContext,
     http: aiohttp.ClientSession,
-    client_ssl: ssl.SSLContext,
     peer_url: str,
     database: str,
     ref: blobs.Ref,
     store: blobs.BlobStore,
     *,
     peer: str = "",
+    record: Entry | None = None,
 ) -> bool:
     """Download `ref` from the peer into `store`, resuming what an earlier download left. True once the blob is held
-    here, False when the peer does not have it; FetchFailed when the download fails."""
+    here, False when the peer does not have it; BlobRefused (logged, counted) when its reference claims more than
+    `data.max_value_bytes`, FetchFailed when the download fails. `record` is the entry that refers to it, if any,
+    named in the log."""
+    limit = ctx.config.data.max_value_bytes
+    refusal = blobs.too_large(ref, limit)
+    if refusal is not None:
+        # A partial file can only be an older version's or one from a larger limit: it may never be resumed now.
+        freed = await asyncio.to_thread(store.discard_partial, ref)
+        ctx.counters.inc("replicator_blobs_refused_total", peer, database)
+        log.warning(
+            "blob_refused",
+            sample_by=("peer", "database"),
+            peer=peer,
+            database=database,
+            hash=ref.hex,
+            size=ref.size,
+            limit=limit,
+            **({"table": record.table, "id": record.id[:200]} if record is not None else {}),
+            partial_removed=freed,
+            reason="the reference claims more than data.max_value_bytes; the record is kept without its blob",
+        )
+        raise BlobRefused(refusal)
     url = blob_url(peer_url, database, ref)
     while not store.has(ref):
         try:
@@ -168,7 +270,7 @@ async def fetch(
         except OSError as exc:
             raise FetchFailed(f"blob {ref.hex}: cannot write its partial file: {exc}") from None
         try:
-            if not await _download(http, client_ssl, url, partial, peer, database):
+            if not await _download(ctx, http, url, partial, peer, database):
                 return False
         finally:
             partial.close()
@@ -176,42 +278,115 @@ async def fetch(
 
 
 async def _download(
-    http: aiohttp.ClientSession, client_ssl: ssl.SSLContext, url: str, partial: blobs.Partial, peer: str, database: str
+    ctx: WorkerContext, http: aiohttp.ClientSession, url: str, partial: blobs.Partial, peer: str, database: str
 ) -> bool:
     ref = partial.ref
     resumed = partial.offset
+    loop = asyncio.get_running_loop()
+    pace = Pace.of(ctx.config, ref.size - partial.offset, loop.time())
+    within = asyncio.timeout_at(pace.deadline)
     try:
-        if not partial.complete:
-            headers = {"Range": f"bytes={partial.offset}-"} if partial.offset else {}
-            async with http.get(url, ssl=client_ssl, headers=headers, timeout=FETCH_TIMEOUT) as response:
-                if response.status == 404:
-                    partial.restart()
-                    return False
-                if response.status == 200:
-                    partial.restart()  # the whole blob is coming
-                    resumed = 0
-                elif response.status == 206:
-                    found = _CONTENT_RANGE.match(response.headers.get("Content-Range", ""))
-                    if found is None or int(found.group(1)) != partial.offset:
-                        raise FetchFailed(f"{url}: a range that does not start at byte {partial.offset}")
-                else:
-                    text = error_text(await response.content.read(1024))
-                    if response.status == 416:
-                        partial.restart()
-                    raise FetchFailed(f"{url} answered {response.status}: {text}")
-                async for chunk in response.content.iter_chunked(CHUNK):
-                    partial.write(chunk)
+        async with within:
             if not partial.complete:
-                raise FetchFailed(f"{url}: the answer ended at byte {partial.offset} of {ref.size}")
-        await asyncio.to_thread(partial.finish)
+                headers = {"Range": f"bytes={partial.offset}-"} if partial.offset else {}
+                async with http.get(url, ssl=ctx.client_ssl, headers=headers, timeout=FETCH_TIMEOUT) as response:
+                    if response.status == 404:
+                        partial.restart()
+                        return False
+                    if response.status == 200:
+                        partial.restart()  # the whole blob is coming
+                        resumed = 0
+                    elif response.status == 206:
+                        found = _CONTENT_RANGE.match(response.headers.get("Content-Range", ""))
+                        if found is None or int(found.group(1)) != partial.offset:
+                            raise FetchFailed(f"{url}: a range that does not start at byte {partial.offset}")
+                    else:
+                        text = error_text(await response.content.read(1024))
+                        if response.status == 416:
+                            partial.restart()
+                        raise FetchFailed(f"{url} answered {response.status}: {text}")
+                    announced = response.content_length
+                    if announced is not None and announced != ref.size - partial.offset:
+                        raise FetchFailed(
+                            f"{url}: an answer of {announced} bytes where {ref.size - partial.offset} are missing"
+                        )
+                    broken = await receive(response.content.iter_chunked(CHUNK), partial, pace, loop.time)
+                    if broken is not None:
+                        raise _aborted(ctx, pace, broken, url, ref, peer, database, loop.time())
+                if not partial.complete:
+                    raise FetchFailed(f"{url}: the answer ended at byte {partial.offset} of {ref.size}")
+            await asyncio.to_thread(partial.finish)
     except blobs.BlobMismatch as exc:
         raise FetchFailed(f"{url}: {exc}") from None
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        if within.expired():
+            raise _aborted(ctx, pace, LIMIT_DEADLINE, url, ref, peer, database, loop.time()) from None
         raise FetchFailed(f"blob {ref.hex} from {url}: {exc or type(exc).__name__}") from None
     # One line per blob would flood the log during a catch-up; a resumed download is worth seeing.
     fetched = log.info if resumed else log.debug
     fetched("blob_fetched", peer=peer, database=database, hash=ref.hex, size=ref.size, resumed_from=resumed)
     return True
+
+
+async def receive(
+    chunks: AsyncIterator[bytes], partial: blobs.Partial, pace: Pace, clock: Callable[[], float]
+) -> str | None:
+    """Write `chunks` into the partial file as they come, held to `pace`: None once they ended, else the limit the
+    download broke (LIMIT_MIN_RATE, LIMIT_DEADLINE), checked when it is due whether or not a chunk arrives."""
+    iterator = aiter(chunks)
+    read: asyncio.Future[bytes] | None = None
+    try:
+        while True:
+            if read is None:
+                read = asyncio.ensure_future(anext(iterator))
+            await asyncio.wait({read}, timeout=max(0.0, pace.next_check() - clock()))
+            broken = pace.check(clock())
+            if broken is not None:
+                return broken
+            if not read.done():
+                continue
+            try:
+                chunk = read.result()
+            except StopAsyncIteration:
+                return None
+            read = None
+            pace.add(len(chunk))
+            partial.write(chunk)
+    finally:
+        if read is not None and not read.done():
+            read.cancel()
+            await asyncio.gather(read, return_exceptions=True)
+
+
+def _aborted(
+    ctx: WorkerContext, pace: Pace, limit: str, url: str, ref: blobs.Ref, peer: str, database: str, now: float
+) -> TransferAborted:
+    settings = ctx.config.replication
+    elapsed = now - pace.started
+    if limit == LIMIT_MIN_RATE:
+        reason = (
+            f"blob {ref.hex} from {url}: {pace.window_bytes} bytes in {pace.window:g} s, slower than"
+            f" replication.blob_min_rate ({pace.min_rate:g} bytes per second)"
+        )
+    else:
+        reason = (
+            f"blob {ref.hex} from {url}: not received within {pace.deadline - pace.started:.1f} s"
+            f" (replication.blob_deadline {settings.blob_deadline:g} s + its size at blob_min_rate)"
+        )
+    ctx.counters.inc("replicator_blob_transfers_aborted_total", peer, database)
+    log.warning(
+        "blob_transfer_aborted",
+        sample_by=("peer", "database"),
+        peer=peer,
+        database=database,
+        hash=ref.hex,
+        size=ref.size,
+        limit=limit,
+        received=pace.received,
+        elapsed_s=round(elapsed, 3),
+        reason=reason,
+    )
+    return TransferAborted(reason, limit)
 
 
 async def _off_loop(function: Callable[..., blobs.Partial], *args: Any) -> blobs.Partial:
@@ -246,7 +421,11 @@ async def serve(ctx: WorkerContext, request: web.Request, peer: str) -> web.Stre
     if not ctx.store.path(database).exists():
         return error_response(404, f"unknown database {database!r}")
     store = blobs.for_database(ctx.store.data_dir, database)
-    size = await asyncio.to_thread(store.check, name)
+
+    def hashed(count: int) -> None:
+        ctx.counters.inc("replicator_blob_check_bytes_total", database, value=count)
+
+    size = await ctx.blob_checks.size(store, name, hashed)
     if size is None:
         if store.path(name).exists():
             log.error("blob_damaged", peer=peer, database=database, hash=name, reason="its content does not match")
@@ -267,22 +446,72 @@ async def serve(ctx: WorkerContext, request: web.Request, peer: str) -> web.Stre
     response.content_length = size - start
     if start:
         response.headers["Content-Range"] = f"bytes {start}-{size - 1}/{size}"
-    rate = ctx.config.replication.blob_rate
+    settings = ctx.config.replication
+    # The receiver cuts an answer slower than this; past it, this end stops holding a file and a task for it.
+    deadline = settings.blob_deadline + (size - start) / settings.blob_min_rate
+    # From the first byte, what is sent is hashed on the way: a file damaged since it was checked is found before
+    # its last chunk goes, so the receiver never holds a whole wrong blob, and is refused at its next request.
+    hasher = hashlib.sha256() if start == 0 else None
     try:
-        file = await asyncio.to_thread(open, store.path(name), "rb")
-        try:
-            await response.prepare(request)
-            file.seek(start)
-            while chunk := await asyncio.to_thread(file.read, CHUNK):
-                await response.write(chunk)  # waits while the peer's window is full
-                if rate > 0:
-                    await asyncio.sleep(len(chunk) / rate)
-        finally:
-            file.close()
+        async with asyncio.timeout(deadline):
+            file = await asyncio.to_thread(open, store.path(name), "rb")
+            try:
+                await response.prepare(request)
+                file.seek(start)
+                sent = start
+                while sent < size:
+                    chunk = await asyncio.to_thread(file.read, min(CHUNK, size - sent))
+                    if not chunk:
+                        raise _Damaged(f"the file ends at byte {sent} of {size}")
+                    if hasher is not None:
+                        hasher.update(chunk)
+                        if sent + len(chunk) == size and hasher.hexdigest() != name:
+                            raise _Damaged("its content does not match")
+                    await response.write(chunk)  # waits while the peer's window is full
+                    sent += len(chunk)
+                    if settings.blob_rate > 0:
+                        await asyncio.sleep(len(chunk) / settings.blob_rate)
+            finally:
+                file.close()
         await response.write_eof()
+    except _Damaged as exc:
+        ctx.blob_checks.forget(store, name)
+        log.error("blob_damaged", peer=peer, database=database, hash=name, reason=exc.reason)
+        _cut(request, response)
+        if not response.prepared:
+            return error_response(404, f"blob {name} of {database} is not held here")
+    except TimeoutError:
+        if not response.prepared:
+            return error_response(503, f"blob {name} of {database}: not opened within {deadline:.1f} s")
+        log.warning(
+            "blob_serve_ended",
+            sample_by=("peer", "database"),
+            peer=peer,
+            database=database,
+            hash=name,
+            error="deadline",
+            deadline_s=round(deadline, 3),
+        )
+        _cut(request, response)
     except (ConnectionError, FileNotFoundError) as exc:
         # The peer went away mid-blob (it resumes from what it got), or the file left since it was checked.
         log.debug("blob_serve_ended", peer=peer, database=database, hash=name, error=type(exc).__name__)
         if not response.prepared:
             return error_response(404, f"blob {name} of {database} is not held here")
     return response
+
+
+class _Damaged(Exception):
+    """The file being served no longer matches what was checked."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _cut(request: web.Request, response: web.StreamResponse) -> None:
+    """End an answer before its last byte: the connection is closed, so the receiver sees a short answer, never a
+    complete one."""
+    response.force_close()
+    if request.transport is not None:
+        request.transport.close()

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from replicator.shared import membership, messages, revocation
+from replicator.shared import blobs, membership, messages, revocation
 from replicator.shared.config import Config, database_matches
 from replicator.shared.logs import log
 from replicator.shared.notify import Doorbell
@@ -41,6 +41,8 @@ class WorkerContext:
     _registry: dict[str, NodeRow] = field(default_factory=dict)
     _registry_seen: int = -1
     _redial_budgets: dict[str, RetryBudget] = field(default_factory=dict)
+    # The blob files this process found intact or damaged, per version of each: served without hashing again.
+    blob_checks: blobs.Checked = field(default_factory=blobs.Checked)
 
     def __post_init__(self) -> None:
         self.feeds = ChangeFeeds(lambda name: self.store.database(name), doorbell=self.doorbell)

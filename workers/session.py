@@ -753,10 +753,14 @@ class PeerSession:
 
 def refused_input(attempt: asyncio.Task[None]) -> bool:
     """Whether the session ended because this node refused what the peer sent: its clock or a version too far ahead
-    (`wire.ClockSkew`), a frame or a batch the protocol does not allow. The next session would be sent the same."""
+    (`wire.ClockSkew`), a frame or a batch the protocol does not allow, a blob sent slower than
+    `replication.blob_min_rate` or past its deadline (`blobs.TransferAborted`). The next session would be sent the
+    same, so it comes on the growing schedule, not at its floor."""
     if attempt.cancelled():
         return False
-    return isinstance(attempt.exception(), wire.Refused | wire.ProtocolViolation | wire.MalformedFrame)
+    return isinstance(
+        attempt.exception(), wire.Refused | wire.ProtocolViolation | wire.MalformedFrame | blobs.TransferAborted
+    )
 
 
 def ahead_of(heads: dict[str, int], progress: dict[str, int]) -> dict[str, int]:

@@ -129,12 +129,20 @@ async def _handshake_frame(ws: Any) -> Any:
 
 
 class FakePeer:
-    """A registered peer the node dials: `serve(ws, subscribe)` plays the sending end after the handshake."""
+    """A registered peer the node dials: `serve(ws, subscribe)` plays the sending end after the handshake.
+    `routes(app)` may add more of the node port's endpoints (the blob endpoint) to its server."""
 
-    def __init__(self, cluster: LocalCluster, folder: Path, serve: Callable[[Any, wire.Subscribe], Awaitable[None]]):
+    def __init__(
+        self,
+        cluster: LocalCluster,
+        folder: Path,
+        serve: Callable[[Any, wire.Subscribe], Awaitable[None]],
+        routes: Callable[[web.Application], None] | None = None,
+    ):
         self.cluster = cluster
         self.folder = folder
         self.serve = serve
+        self.routes = routes
         self.dials: list[tuple[str, float]] = []  # (the dialling node, when)
         self.port = free_ports(1)[0]
         self._runner: web.AppRunner | None = None
@@ -147,6 +155,8 @@ class FakePeer:
     async def start(self) -> None:
         app = web.Application()
         app.router.add_get("/replication", self._handle)
+        if self.routes is not None:
+            self.routes(app)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         ca = self.cluster.dir / "ca" / "ca.pem"

@@ -195,7 +195,7 @@ def _fetch(loop: asyncio.AbstractEventLoop, ctx: WorkerContext, url: str, ref: b
     async def run() -> bool:
         async with aiohttp.ClientSession() as http:
             store = blobs.for_database(ctx.store.data_dir, "db")
-            return await transfer.fetch(http, ctx.client_ssl, url, "db", ref, store, peer="a")
+            return await transfer.fetch(ctx, http, url, "db", ref, store, peer="a")
 
     return loop.run_until_complete(run())
 
@@ -265,7 +265,7 @@ def test_a_cut_download_keeps_what_arrived_and_the_next_one_resumes(pair, monkey
 
     async def cut() -> None:
         async with aiohttp.ClientSession() as http:
-            await transfer.fetch(http, fetching.client_ssl, url, "db", ref, mine, peer="a")
+            await transfer.fetch(fetching, http, url, "db", ref, mine, peer="a")
 
     monkeypatch.setattr(blobs.Partial, "write", write_then_cut)
     with pytest.raises(asyncio.CancelledError):

@@ -62,6 +62,9 @@ FLOATS = [
     ("replication.antientropy_rate", 0.0, 1e9, False),
     ("replication.scrub_rate", 0.0, 1e9, False),
     ("replication.blob_rate", 0.0, 1e9, True),
+    ("replication.blob_min_rate", 0.0, 1e9, False),
+    ("replication.blob_rate_window", 0.0, 3600.0, False),
+    ("replication.blob_deadline", 0.0, DAY, False),
     ("replication.redial_rate", 0.0, 1e6, True),
     ("log.sample_window", 0.0, DAY, False),
 ]
