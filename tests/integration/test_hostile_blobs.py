@@ -27,7 +27,14 @@ from replicator.coordinator.local_cluster import LocalCluster
 from replicator.shared import blobs, membership, wire
 from replicator.shared.store import NodeRow
 from replicator.shared.tls import issue_node_cert
-from tests.integration.conftest import FAST, assert_identical, assert_log_is_json, equal_jitter_floor, wait_for
+from tests.integration.conftest import (
+    FAST,
+    Unharmed,
+    assert_identical,
+    assert_log_is_json,
+    equal_jitter_floor,
+    wait_for,
+)
 from tests.integration.test_health import worker_pids
 from tests.integration.test_hostile_peer import FakePeer, _mallet_client, _register
 
@@ -58,13 +65,13 @@ async def _put(cluster: LocalCluster, name: str, path: str, value: Any) -> None:
         assert response.status == 200, (name, path, response.status, await response.text())
 
 
-async def _still_serving(cluster: LocalCluster, pids: dict[int, int], database: str) -> None:
-    """The end of every test here: data still flows both ways, a's worker is the one it started with, and every
-    node's log is JSON lines."""
+async def _still_serving(cluster: LocalCluster, unharmed: Unharmed, database: str) -> None:
+    """The end of every test here: data still flows both ways, a's workers are the ones it started with and their
+    memory is back near where it started (`Unharmed`), and every node's log is JSON lines."""
     assert (await cluster.data("a", "PUT", f"/data/{database}/t/a", {"ok": 1}))[0] == 200
     assert (await cluster.data("b", "PUT", f"/data/{database}/t/b", {"ok": 2}))[0] == 200
     await cluster.wait_converged(database, ["a", "b"], timeout=60, expect_count=2)
-    assert await worker_pids(cluster, "a") == pids
+    await unharmed.check(database)
     for name in cluster.nodes:
         assert_log_is_json(cluster[name])
 
@@ -153,7 +160,7 @@ async def test_a_reference_claiming_2_62_bytes_is_refused_and_no_part_file_grows
     try:
         assert (await cluster.data("a", "PUT", "/data/hostile/t/first", {"v": 0}))[0] == 200
         await cluster.wait_converged("hostile", ["a", "b"], timeout=60, expect_count=1)
-        pids = await worker_pids(cluster, "a")
+        unharmed = await Unharmed.of(cluster, "a")
         await _register(cluster, "mallet", peer.url, replicates=True)
 
         def refused() -> list[dict[str, Any]]:
@@ -181,7 +188,7 @@ async def test_a_reference_claiming_2_62_bytes_is_refused_and_no_part_file_grows
         # b's limit is the default 64 MiB: it refuses the same reference, from mallet or from a.
         await wait_for(lambda: cluster["b"].events("blob_refused"), 60, "b to refuse it too")
         assert asked == []  # no node asked for a byte of it
-        await _still_serving(cluster, pids, "after_huge")
+        await _still_serving(cluster, unharmed, "after_huge")
     finally:
         await peer.close()
         await cluster.close()
@@ -211,7 +218,8 @@ async def test_a_blob_above_the_receivers_max_value_bytes_is_not_stored_and_its_
         await cluster.wait_ready()
         assert (await cluster.data("a", "PUT", "/data/big/t/first", {"v": 0}))[0] == 200
         await cluster.wait_converged("big", ["a", "b"], timeout=60, expect_count=1)
-        pids = {name: await worker_pids(cluster, name) for name in ("a", "b")}
+        unharmed = await Unharmed.of(cluster, "a")
+        b_pids = await worker_pids(cluster, "b")
         value = hashlib.sha256(b"2 MiB").hexdigest() * (2 * MIB // 64)
         data = msgspec.msgpack.encode(value)
         ref = blobs.ref_of(data)
@@ -235,8 +243,8 @@ async def test_a_blob_above_the_receivers_max_value_bytes_is_not_stored_and_its_
             return await _metric(cluster, "b", "replicator_blobs_refused_total", peer="a", database="big") >= 1
 
         await wait_for(counted, 60, "b to count the refused blob")
-        await _still_serving(cluster, pids["a"], "after_big")
-        assert await worker_pids(cluster, "b") == pids["b"]
+        await _still_serving(cluster, unharmed, "after_big")
+        assert await worker_pids(cluster, "b") == b_pids
     finally:
         await cluster.close()
 
@@ -298,7 +306,7 @@ async def test_a_trickling_sender_is_cut_off_by_the_minimum_rate_and_redialled_o
     try:
         assert (await cluster.data("a", "PUT", "/data/trickle/t/first", {"v": 0}))[0] == 200
         await cluster.wait_converged("trickle", ["a", "b"], timeout=60, expect_count=1)
-        pids = await worker_pids(cluster, "a")
+        unharmed = await Unharmed.of(cluster, "a")
         await _register(cluster, "mallet", peer.url, replicates=True)
 
         def aborted() -> list[dict[str, Any]]:
@@ -336,7 +344,7 @@ async def test_a_trickling_sender_is_cut_off_by_the_minimum_rate_and_redialled_o
             return await _metric(cluster, "a", series, peer="mallet", database="trickle") >= 4
 
         await wait_for(counted, 60, "a to count the cut downloads")
-        await _still_serving(cluster, pids, "after_trickle")
+        await _still_serving(cluster, unharmed, "after_trickle")
     finally:
         await peer.close()
         await cluster.close()
@@ -354,7 +362,7 @@ async def test_many_range_requests_for_a_few_bytes_do_not_hash_the_blob_again(
         await cluster.wait_ready()
         assert (await cluster.data("a", "PUT", "/data/ranged/t/first", {"v": 0}))[0] == 200
         await cluster.wait_converged("ranged", ["a", "b"], timeout=60, expect_count=1)
-        pids = await worker_pids(cluster, "a")
+        unharmed = await Unharmed.of(cluster, "a")
         values = [
             hashlib.sha256(str(seed).encode()).hexdigest() * (size // 64) for seed, size in ((1, 8 * MIB), (2, MIB))
         ]
@@ -401,6 +409,6 @@ async def test_many_range_requests_for_a_few_bytes_do_not_hash_the_blob_again(
         assert (await last_bytes())[0] == 404
         damaged = [e for e in cluster["a"].events("blob_damaged") if e["hash"] == refs[0].hex]
         assert damaged and damaged[0]["peer"] == "mallet"
-        await _still_serving(cluster, pids, "after_ranges")
+        await _still_serving(cluster, unharmed, "after_ranges")
     finally:
         await cluster.close()

@@ -23,7 +23,7 @@ from replicator.shared import membership, wire
 from replicator.shared.logs import LOGGED_NAMES
 from replicator.shared.store import NodeRow
 from replicator.shared.tls import issue_node_cert
-from tests.integration.conftest import FAST, assert_log_is_json, wait_for
+from tests.integration.conftest import FAST, Unharmed, assert_log_is_json, wait_for
 from tests.integration.test_hostile_peer import FakePeer
 
 GHOSTS = 3000
@@ -110,7 +110,7 @@ async def test_thousands_of_introductions_are_capped_and_the_coordinator_answers
 ) -> None:
     cluster, folder = pair
     mallet = membership.Signer.load("mallet", folder / "mallet.pem", folder / "mallet.key")
-    pids = await _worker_pids(cluster, "a")
+    unharmed = await Unharmed.of(cluster, "a")
     closed = free_ports(1)[0]  # nothing listens there: every ghost's dial is refused
     now = int(time.time() * 1_000_000)
     ghosts = [
@@ -181,8 +181,9 @@ async def test_thousands_of_introductions_are_capped_and_the_coordinator_answers
     await wait_for(suppressed, 60, "a to report how many refusals it did not write")
     _route_lines_are_capped(cluster, "a")
     try:
-        await _ends_serving(cluster, "a", pids)
-        await cluster.wait_converged("alive", ["a", "b"], timeout=60, expect_count=1)
+        await _ends_serving(cluster, "a", list(unharmed.rss))
+        await unharmed.check()
+        await cluster.wait_converged("alive", ["a", "b"], timeout=60, expect_count=2)
     finally:
         await peer.close()
     assert_log_is_json(cluster["b"])
@@ -212,7 +213,7 @@ async def test_put_nodes_past_the_caps_is_refused_and_the_log_stays_small(
     cluster.start()
     await cluster.wait_ready()
     try:
-        pids = await _worker_pids(cluster, "a")
+        unharmed = await Unharmed.of(cluster, "a")
         closed = free_ports(1)[0]
         log_before = cluster["a"].log_path.stat().st_size
         answers: list[int] = []
@@ -242,7 +243,8 @@ async def test_put_nodes_past_the_caps_is_refused_and_the_log_stays_small(
         bound = per * BYTES_PER_GHOST + BASE_BYTES
         assert grown <= bound, (grown, bound)
         _route_lines_are_capped(cluster, "a")
-        await _ends_serving(cluster, "a", pids)
+        await _ends_serving(cluster, "a", list(unharmed.rss))
+        await unharmed.check()
     finally:
         await cluster.close()
 
