@@ -142,10 +142,10 @@ def regress(conn: sqlite3.Connection, node: str, claimed: int) -> bool:
 
 def this_life(
     conn: sqlite3.Connection, node: str, before: OwnHistory, claimed: int
-) -> list[tuple[str, str, bytes, int]]:
+) -> list[tuple[str, str, bytes, int, int]]:
     """The records an unknown file (see above) holds under its own origin that it wrote itself since its birth (a
-    local write in the audit log, from `born` on) at or below `claimed`, as (table, id, value, tombstone): to be
-    written again above it. A version of its own the file took from a peer is not one of them, and neither is a
+    local write in the audit log, from `born` on) at or below `claimed`, as (table, id, value, tombstone, version):
+    to be written again above it. A version of its own the file took from a peer is not one of them, and neither is a
     delete: written again, a delete would beat whatever was written since elsewhere, and at its version it is still
     found and spread by anti-entropy (it beats what it deleted). Only while the file's history is unknown are its
     writes since birth ones no peer can have seen replaced: in any other file (a new name, one restored from a
@@ -155,17 +155,89 @@ def this_life(
     if not before.unknown:
         return []
     rows = conn.execute(
-        "SELECT r.tbl, r.id, r.value, r.tombstone FROM records AS r WHERE r.origin = ? AND r.version >= ?"
+        "SELECT r.tbl, r.id, r.value, r.tombstone, r.version FROM records AS r WHERE r.origin = ? AND r.version >= ?"
         " AND r.version <= ? AND r.tombstone = 0 AND EXISTS (SELECT 1 FROM audit AS a WHERE a.tbl = r.tbl"
         " AND a.id = r.id AND a.version = r.version AND a.origin = r.origin AND a.local = ?) ORDER BY r.version",
         (node, before.born, claimed, LOCAL),
     ).fetchall()
-    return [(table, record_id, bytes(value), int(tombstone)) for table, record_id, value, tombstone in rows]
+    return [
+        (table, record_id, bytes(value), int(tombstone), int(version))
+        for table, record_id, value, tombstone, version in rows
+    ]
+
+
+# An unknown file's writes again wait for the peer whose claim calls for them (meta `rewrite/<peer>`, the highest
+# claim), and each record written again is marked until the recovery ends (`rewritten/<[table, id]>` = "<the version
+# it was written again from> <the version it got>"). Both are local to the file, never replicated.
+_REWRITE = "rewrite/"
+_REWRITTEN = "rewritten/"
+
+
+def defer_rewrite(conn: sqlite3.Connection, peer: str, claimed: int) -> None:
+    """Inside a write transaction, in an unknown file: `peer` holds own writes complete up to `claimed`, and the
+    file's writes since birth at or below it are to be written again (`this_life`) once that peer has served the
+    node's own writes back (`take_rewrite`), not now. The peer may hold a newer version of one of them: the node's
+    own later delete or update, which a file restored from a backup of an unknown file lacks. Written again now, the
+    old value would reach the peer over the very session that carried the claim and replace it there."""
+    key = _REWRITE + peer
+    _set(conn, key, max(int(_meta(conn, key) or 0), claimed))
+
+
+def pending_rewrite(conn: sqlite3.Connection, peer: str) -> int:
+    return int(_meta(conn, _REWRITE + peer) or 0)
+
+
+def take_rewrite(conn: sqlite3.Connection, peer: str | None = None) -> int:
+    """Inside a write transaction: the claim whose writes again are due (0: none), no longer pending: `peer`'s
+    (it has served), or with None the highest of all (the recovery ends: every peer has served)."""
+    if peer is not None:
+        claimed = pending_rewrite(conn, peer)
+        conn.execute("DELETE FROM meta WHERE key = ?", (_REWRITE + peer,))
+        return claimed
+    claimed = conn.execute(
+        "SELECT max(CAST(value AS INTEGER)) FROM meta WHERE substr(key, 1, ?) = ?", (len(_REWRITE), _REWRITE)
+    ).fetchone()[0]
+    conn.execute("DELETE FROM meta WHERE substr(key, 1, ?) = ?", (len(_REWRITE), _REWRITE))
+    return int(claimed or 0)
+
+
+def _rewritten_key(table: str, record_id: str) -> str:
+    return _REWRITTEN + msgspec.json.encode([table, record_id]).decode()
+
+
+def note_rewritten(conn: sqlite3.Connection, rows: list[tuple[str, str, int, int]]) -> None:
+    """Inside the write transaction that wrote `rows` again: (table, id, the version it had, the version it got)."""
+    conn.executemany(
+        "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+        [(_rewritten_key(table, record_id), f"{old} {new}") for table, record_id, old, new in rows],
+    )
+
+
+def overridden(conn: sqlite3.Connection, node: str, entries: list[tuple[str, str, int]]) -> list[tuple[str, str, int]]:
+    """Of a peer's (table, id, version) under this node's own origin, those that a write again beat wrongly: a
+    version between the one written again and the one it got, while that one still stands. The peer holds the
+    node's own later write of the record from a life the file lacks (another peer's claim called the write again
+    before this one served): it is the newer own write, and must win."""
+    found = []
+    for table, record_id, version in entries:
+        mark = _meta(conn, _rewritten_key(table, record_id))
+        if mark is None:
+            continue
+        old, new = (int(part) for part in str(mark).split())
+        if not old < version < new:
+            continue
+        current = conn.execute("SELECT version, origin FROM records WHERE tbl = ? AND id = ?", (table, record_id))
+        row = current.fetchone()
+        if row is not None and (int(row[0]), row[1]) == (new, node):
+            found.append((table, record_id, version))
+    return found
 
 
 def finish(conn: sqlite3.Connection) -> None:
-    """Inside a write transaction: every peer has served the own writes back; the file holds its whole history."""
+    """Inside a write transaction: every peer has served the own writes back; the file holds its whole history (no
+    write again is pending, and no peer holds a newer own write of one written again)."""
     _set(conn, "recovering", 0)
+    conn.execute("DELETE FROM meta WHERE substr(key, 1, ?) = ?", (len(_REWRITTEN), _REWRITTEN))
 
 
 def may_have_written(

@@ -1052,7 +1052,7 @@ class Database:
         """True while this file may lack some of its owner's own writes (see the module docstring)."""
         return self.own_history().recovering
 
-    def regress(self, claimed: int, *, by_deletion: bool = False) -> bool:
+    def regress(self, claimed: int, *, by_deletion: bool = False, peer: str | None = None) -> bool:
         """A peer holds this node's own writes complete up to `claimed`, above anything this file accounts for: the
         file went back in time (restored from an older backup of this node) or lost them. It starts recovering with
         its floor there: the clock moves past `claimed`, so new writes are above what peers hold, and the
@@ -1064,7 +1064,10 @@ class Database:
         them would never be sent them, and a deletion of the database from before could cover them.
 
         `by_deletion`: `claimed` is a deletion's floor for this node's origin (`drop_through` asks first); it counts
-        only above this file's birth, since a file made after a deletion is born below its floors' reach."""
+        only above this file's birth, since a file made after a deletion is born below its floors' reach.
+
+        `peer`: the peer whose claim it is. An unknown file writes again only once that peer has served the own
+        writes back (`served`, `own_writes.defer_rewrite`): it may hold newer versions of them."""
         # Every subscription asks; almost always the answer is no, and a read answers it without taking the write
         # lock. The write transaction asks again, since another process may have moved first.
         history = self.own_history()
@@ -1078,28 +1081,55 @@ class Database:
                 return False
             if claimed > self._clock_value(conn):
                 self._set_clock(conn, claimed)
-            self._restamp(conn, before, claimed)
+            if peer is not None and before.unknown and not by_deletion:
+                own_writes.defer_rewrite(conn, peer, claimed)
+            else:
+                # A deletion's drop would take them at their old versions: written again before it is applied.
+                self._restamp(conn, own_writes.this_life(conn, self._node, before, claimed), claimed)
             return True
 
-    def _earlier_life(self, conn: sqlite3.Connection, mine: list[tuple[str, str, int]]) -> None:
+    def served(self, peer: str, asked: int) -> int:
+        """A session with `peer` that asked for this node's own writes up to `asked` caught up: the writes again its
+        claim called for (`regress`, `_earlier_life`) are due now. Returns how many were written again."""
+        with self._read() as conn:
+            pending = own_writes.pending_rewrite(conn, peer)
+        if not pending or asked < pending:
+            return 0
+        with self._write() as conn:
+            claimed = own_writes.take_rewrite(conn, peer)
+            history = own_writes.read(conn, self._node)
+            return self._restamp(conn, own_writes.this_life(conn, self._node, history, claimed), claimed)
+
+    def _earlier_life(self, conn: sqlite3.Connection, mine: list[Entry], peer: str | None) -> None:
         """Versions of this node's own origin that a peer sent, in an unknown file: any this file did not
         write itself is from the node's earlier life, and its own writes since its birth that lie below it would be
-        below what peers count this node complete for, never to be sent them: they are written again above it."""
+        below what peers count this node complete for, never to be sent them: they are written again above it, once
+        the sending peer has served (`served`: it may send newer versions of them yet). One newer than a record's
+        version written again, though, is the node's own later write that the file lacks (`own_writes.overridden`):
+        it is written again itself, above the one that beat it."""
         history = own_writes.read(conn, self._node)
         if not history.unknown:
             return
+        claims = [(entry.table, entry.id, entry.version) for entry in mine]
+        later = set(own_writes.overridden(conn, self._node, claims))
+        if later:
+            newer = sorted((e for e in mine if (e.table, e.id, e.version) in later), key=lambda e: e.version)
+            self._restamp(conn, [(e.table, e.id, e.value, int(e.tombstone), e.version) for e in newer], 0)
         by_table: dict[str, list[tuple[str, int]]] = {}
-        for table, record_id, version in mine:
+        for table, record_id, version in claims:
             by_table.setdefault(table, []).append((record_id, version))
         earlier = 0
         for table, claims in by_table.items():
             wrote = own_writes.written(conn, self._node, table, [record_id for record_id, _ in claims])
             earlier = max([earlier, *(version for record_id, version in claims if (record_id, version) not in wrote)])
-        if earlier:
-            self._restamp(conn, history, earlier)
+        if earlier and peer is not None:
+            own_writes.defer_rewrite(conn, peer, earlier)
+        elif earlier:
+            self._restamp(conn, own_writes.this_life(conn, self._node, history, earlier), earlier)
 
-    def _restamp(self, conn: sqlite3.Connection, before: own_writes.OwnHistory, claimed: int) -> int:
-        rows = own_writes.this_life(conn, self._node, before, claimed)
+    def _restamp(self, conn: sqlite3.Connection, rows: list[tuple[str, str, bytes, int, int]], claimed: int) -> int:
+        """Write `rows` (table, id, value, tombstone, the version it had) again as this node's own, above `claimed`
+        and the clock, each marked (`own_writes.note_rewritten`) until the recovery ends."""
         if not rows:
             return 0
         first = hlc.tick(max(self._clock_value(conn), claimed), self._clock, len(rows))
@@ -1107,8 +1137,11 @@ class Database:
             conn,
             [
                 _row(table, record_id, value, first + index, self._node, tombstone)
-                for index, (table, record_id, value, tombstone) in enumerate(rows)
+                for index, (table, record_id, value, tombstone, _) in enumerate(rows)
             ],
+        )
+        own_writes.note_rewritten(
+            conn, [(table, record_id, old, first + index) for index, (table, record_id, _, _, old) in enumerate(rows)]
         )
         self._set_clock(conn, first + len(rows) - 1)
         log.warning("own_writes_restamped", database=self.name, records=len(rows), above=claimed)
@@ -1123,12 +1156,23 @@ class Database:
         """The peers have served this node's own writes back: the own origin is complete up to its newest write
         again. Returns the number of live records the file holds."""
         with self._write() as conn:
+            history = own_writes.read(conn, self._node)
+            claimed = own_writes.take_rewrite(conn)  # every peer has served: whatever is still pending is due
+            if claimed:
+                self._restamp(conn, own_writes.this_life(conn, self._node, history, claimed), claimed)
             own_writes.finish(conn)
             return int(conn.execute("SELECT count(*) FROM records WHERE tombstone = 0").fetchone()[0])
 
     # -- applying (subscriber side) --------------------------------------------------------------------
 
-    def apply_batch(self, entries: list[Entry], marks: dict[str, int] | None = None, *, repair: bool = False) -> int:
+    def apply_batch(
+        self,
+        entries: list[Entry],
+        marks: dict[str, int] | None = None,
+        *,
+        repair: bool = False,
+        peer: str | None = None,
+    ) -> int:
         """Apply a peer's records last-writer-wins and raise the origins' complete versions to the sender's
         marks, in one transaction. Returns how many records won.
 
@@ -1137,7 +1181,8 @@ class Database:
         subscription said the receiver was complete.
 
         `repair`: the entries come from an anti-entropy round that judged each one (`Round._takes`): one replaces
-        a damaged row here even when it looks older.
+        a damaged row here even when it looks older. `peer`: the session's peer, whose versions of this node's own
+        origin an unknown file heeds (`_earlier_life`).
         """
         _check_entries(entries)
         marks = marks or {}
@@ -1148,9 +1193,9 @@ class Database:
         with self._write() as conn:
             won = self._apply(conn, entries, repair)
             conn.executemany(_RAISE_COMPLETE, marks.items())
-            mine = [(entry.table, entry.id, entry.version) for entry in entries if entry.origin == self._node]
+            mine = [entry for entry in entries if entry.origin == self._node]
             if mine:
-                self._earlier_life(conn, mine)
+                self._earlier_life(conn, mine, peer)
             # A peer holding versions of ours above our clock (a file restored from an old backup) moves the
             # clock past them, so our next writes are above what that peer counts complete.
             top = max(marks.values(), default=0)

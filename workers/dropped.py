@@ -44,7 +44,7 @@ class DroppedDatabase:
             return self._db.progress()
         return {origin: floor for origin, floor in self.floors.origins.items() if floor > 0}
 
-    def apply_batch(self, entries: list[Entry], marks: dict[str, int] | None = None) -> int:
+    def apply_batch(self, entries: list[Entry], marks: dict[str, int] | None = None, peer: str | None = None) -> int:
         """Apply a peer's batch; until a record the floors do not cover comes, or a mark past them (the peer holds
         writes made after the deletion, deleted and purged since, maybe), it is all covered by the deletion."""
         if self._db is None:
@@ -55,7 +55,7 @@ class DroppedDatabase:
                 self._db = self._ctx.database(self.name, create=True)
             except (DatabaseRemoving, RefusedFile, TooManyDatabases) as exc:
                 raise wire.Refused(str(exc)) from None
-        return self._db.apply_batch(entries, marks)
+        return self._db.apply_batch(entries, marks, peer=peer)
 
 
 def open_for_subscription(ctx: WorkerContext, name: str) -> Database | DroppedDatabase:

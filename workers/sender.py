@@ -166,7 +166,7 @@ class Sender:
         ceiling = int((self._ctx.wall() + self._settings.max_clock_skew) * 1_000_000)
         if claimed > ceiling:
             return  # no peer can hold a write of ours from the future: a lie, or its clock, not our file
-        if db.regress(claimed):
+        if db.regress(claimed, peer=self._peer):
             log.warning("database_regressed", peer=self._peer, database=db.name, floor=claimed)
             self._ctx.report(messages.DatabaseRegressed(name=db.name, peer=self._peer, floor=claimed))
 

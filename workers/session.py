@@ -484,7 +484,7 @@ class PeerSession:
         ctx = self._ctx
         settings = ctx.config.replication
         ceiling = int((ctx.wall() + settings.max_clock_skew) * 1_000_000)
-        if 0 < schema.yours <= ceiling and isinstance(db, Database) and db.regress(schema.yours):
+        if 0 < schema.yours <= ceiling and isinstance(db, Database) and db.regress(schema.yours, peer=self.peer):
             log.warning("database_regressed", peer=self.peer, database=self.database, floor=schema.yours)
             ctx.report(messages.DatabaseRegressed(name=self.database, peer=self.peer, floor=schema.yours))
         behind = sorted(
@@ -622,6 +622,7 @@ class PeerSession:
             if message.caught_up:
                 self.last_received_seq = self.peer_head_seq = message.head_seq
                 self.lag_seconds = 0.0
+                self._served(db)
             else:
                 self.peer_head_seq = max(message.head_seq, self.last_received_seq + 1)
                 if message.entries:
@@ -632,13 +633,26 @@ class PeerSession:
             # Reaching or leaving the caught-up state is reported at once: routing and recovery wait on it.
             self._report_progress(session, force=(message.caught_up, message.recovering) != was)
 
+    def _served(self, db: Any) -> None:
+        """Caught up: the peer has served our own writes as far as the session asked, and the writes again of an
+        unknown file that its claim called for are due (`Database.served`). One the store cannot make now stays
+        pending: the next catch-up, or the end of the recovery, makes it."""
+        if not isinstance(db, Database):
+            return
+        try:
+            db.served(self.peer, self._own_upto)
+        except (sqlite3.OperationalError, OSError) as exc:
+            log.warning(
+                "commit_retry", peer=self.peer, database=self.database, error=str(exc)[:200], sample_by=("database",)
+            )
+
     async def _commit(self, db: Any, entries: list[wire.Entry], marks: dict[str, int]) -> int:
         """Apply one batch and its marks in one transaction; when the store cannot commit (busy past its timeout,
         a full disk, an I/O error), try the same batch again on the flush schedule, 0.25 s doubling to 30 s,
         reset by a commit. A batch the store refuses as malformed ends the session instead."""
         while True:
             try:
-                applied = db.apply_batch(entries, marks)
+                applied = db.apply_batch(entries, marks, peer=self.peer)
             except (BadRecord, BadName) as exc:
                 raise wire.ProtocolViolation(f"batch refused, nothing applied: {exc}") from None
             except (sqlite3.OperationalError, OSError) as exc:

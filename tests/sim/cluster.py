@@ -507,7 +507,10 @@ class Session:
                 marks,
                 self.refused_below,
             )
-        self.target.apply_batch(entries, marks)
+        self.target.apply_batch(entries, marks, peer=self.sender.name)
+        if caught_up and isinstance(self.target, Database):
+            # Caught up: the sender has served our own writes as far as the session asked (`Database.served`).
+            self.target.served(self.sender.name, self.own_upto)
         # The ack: the sender learns what the subscriber holds now.
         holds = self.sender.peer_holds.setdefault((self.database, sub.name), {})
         for origin, mark in marks.items():
@@ -604,7 +607,7 @@ class Cluster:
         settings = self.settings
         # The sender: the subscriber's claim on the sender's own origin, as `Sender._check_regression` checks it.
         claimed = progress.get(peer.name, 0)
-        if 0 < claimed <= int((peer.wall() + settings.max_clock_skew) * US) and source.regress(claimed):
+        if 0 < claimed <= int((peer.wall() + settings.max_clock_skew) * US) and source.regress(claimed, peer=node.name):
             self.trace(f"{peer.name}/{pair.database} regressed to {claimed} (claim of {node.name})")
             peer.regressed(pair.database, claimed)
         plan = OriginPlan(dict(progress), frozenset(exclude), {node.name: own_upto})
@@ -614,7 +617,7 @@ class Cluster:
         peer.peer_holds[(pair.database, node.name)] = {o: v for o, v in progress.items() if v > 0}
         # The subscriber reads the Schema (`PeerSession._check_schema`).
         ceiling = int((node.wall() + settings.max_clock_skew) * US)
-        if 0 < yours <= ceiling and isinstance(target, Database) and target.regress(yours):
+        if 0 < yours <= ceiling and isinstance(target, Database) and target.regress(yours, peer=peer.name):
             self.trace(f"{node.name}/{pair.database} regressed to {yours} (Schema of {peer.name})")
             node.regressed(pair.database, yours)
         behind = [o for o, scanned in purged.items() if progress.get(o, 0) < scanned]

@@ -379,6 +379,45 @@ def own_writes_newer_than_a_backup() -> Outcome:
     return _run(script, nodes=2)
 
 
+def an_unknown_file_restored_after_its_deletes() -> Outcome:
+    """A wiped node writes x into a file whose history it cannot know yet (no peer has answered), and its data
+    directory is backed up then. Once it has heard from its peer it deletes x, and the peer takes the deletion. The
+    backup is restored: its file is still unknown, and the peer holds own writes of the node complete past what it
+    accounts for. The node must take the deletion back, not write x again above it."""
+
+    def script(sim: Simulation) -> None:
+        loop = sim.cluster.loop
+        sim.put("a", "d0", "seed", 0)
+        sim.settle()
+        sim.stop("b")
+        sim.wipe("b")
+        sim.cut("a", "b")
+        sim.cut("b", "a")
+        sim.start("b")
+        sim.put("b", "d0", "x", "written while unknown")
+        sim.stop("b")
+        sim._backup()
+        loop.advance(1.0)
+        sim.start("b")
+        sim.heal_link("a", "b")
+        sim.heal_link("b", "a")
+        sim.settle()
+        b = sim.cluster.nodes["b"]
+        _expect(sim, "d0" not in b.recoveries, "b's d0 still recovering once a served it")
+        sim.delete("b", "d0", "x")
+        sim.settle()
+        sim.stop("b")
+        sim._restore()
+        loop.advance(1.0)
+        sim.start("b")
+        sim.settle()
+        for name in "ab":
+            held = _value(sim, name, "x")
+            _expect(sim, held is not None and held[2], f"{name} holds x as {held}: its deletion was undone")
+
+    return _run(script, nodes=2)
+
+
 ALL: dict[str, Callable[[], Outcome]] = {
     "lost-own": lost_own_newest_write,
     "damaged-lagging": damaged_row_repaired_from_a_lagging_peer,
@@ -392,4 +431,5 @@ ALL: dict[str, Callable[[], Outcome]] = {
     "refused-registry-row": a_refused_registry_row_holds_the_position,
     "line-two-lost": two_neighbours_lost_on_a_line,
     "backup-own-writes": own_writes_newer_than_a_backup,
+    "unknown-backup-deletes": an_unknown_file_restored_after_its_deletes,
 }

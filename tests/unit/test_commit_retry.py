@@ -27,7 +27,7 @@ class FlakyDatabase:
         self.attempts: list[float] = []
         self.committed: list[tuple[list[wire.Entry], dict[str, int]]] = []
 
-    def apply_batch(self, entries: list[wire.Entry], marks: dict[str, int]) -> int:
+    def apply_batch(self, entries: list[wire.Entry], marks: dict[str, int], peer: str | None = None) -> int:
         self.attempts.append(round(self.loop.time(), 6))
         if len(self.attempts) <= self.failures:
             raise sqlite3.OperationalError("database or disk is full")
@@ -70,7 +70,7 @@ def test_a_malformed_batch_ends_the_session_instead(loop: VirtualTimeLoop) -> No
     session = _session(loop)
 
     class Refusing:
-        def apply_batch(self, entries: list[wire.Entry], marks: dict[str, int]) -> int:
+        def apply_batch(self, entries: list[wire.Entry], marks: dict[str, int], peer: str | None = None) -> int:
             raise BadRecord("record 't'/'x': bad version")
 
     with pytest.raises(wire.ProtocolViolation, match="nothing applied"):
@@ -81,7 +81,7 @@ def test_nothing_else_is_swallowed(loop: VirtualTimeLoop) -> None:
     session = _session(loop)
 
     class Broken:
-        def apply_batch(self, entries: list[wire.Entry], marks: dict[str, int]) -> int:
+        def apply_batch(self, entries: list[wire.Entry], marks: dict[str, int], peer: str | None = None) -> int:
             raise sqlite3.DatabaseError("database disk image is malformed")
 
     with pytest.raises(sqlite3.DatabaseError):

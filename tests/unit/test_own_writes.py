@@ -145,3 +145,42 @@ def test_a_deletion_that_saw_more_of_this_nodes_writes_than_its_file_holds_is_a_
     clock.advance(10)
     other = node.database("e", create=True)
     assert not other.regress(mine, by_deletion=True)
+
+
+def test_writes_again_wait_for_the_claiming_peer_to_serve_and_its_newer_own_versions_win(
+    node: Store, clock: FakeClock
+) -> None:
+    """A backup of an unknown file, restored after the node deleted one of its writes and updated another: a peer's
+    claim on its origin calls the writes again, but only once that peer has served it (`served`), so its newer
+    versions (the delete, the update) come back first and replace them; what it lacks is written again above the
+    claim. A newer own version that another peer brings later still wins over a write again."""
+    db = node.database("d", create=True)  # unknown
+    x = db.put("t", "x", b"deleted since")
+    db.put("t", "y", b"updated since")
+    db.put("t", "z", b"kept")
+    w = db.put("t", "w", b"updated elsewhere since")
+    claim = w + 10_000_000  # b holds a's own writes complete up to here: the delete and the update below
+    assert db.regress(claim, peer="b")
+    assert db.fetch("t", ["x"])[0][0].version == x  # nothing written again before b has served
+    db.apply_batch([rec("x", w + 1, "a", tomb=True), rec("y", w + 2, "a", value=b"new")], peer="b")
+    assert db.served("b", asked=claim - 1) == 0  # a session that asked for less did not serve the claim
+    assert db.served("b", asked=2**63 - 1) == 2  # z and w
+    x_now, y_now, z_now, w_now = (db.fetch("t", [key])[0][0] for key in "xyzw")
+    assert x_now.tombstone and x_now.version == w + 1
+    assert y_now.value == b"new" and y_now.version == w + 2
+    assert z_now.value == b"kept" and z_now.version > claim
+    assert db.served("b", asked=2**63 - 1) == 0  # done once
+    # c held a's later update of w (its claim came after b's): it beats the write again, and is written again
+    # itself above it, so that it wins on every node the write again reached.
+    db.apply_batch([rec("w", w + 5, "a", value=b"newer")], peer="c")
+    w_final = db.fetch("t", ["w"])[0][0]
+    assert w_final.value == b"newer" and w_final.version > w_now.version
+    # Once the recovery ends, nothing is pending and the marks are gone.
+    db.finish_recovery()
+    assert not db.own_history().recovering
+    assert [key for key in _meta_keys(db) if key.startswith(("rewrite", "rewritten"))] == []
+
+
+def _meta_keys(db: Database) -> list[str]:
+    with db._lock:
+        return [row[0] for row in db._conn.execute("SELECT key FROM meta")]
