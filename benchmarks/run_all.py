@@ -113,6 +113,21 @@ BENCHES = [
         ],
     ),
     Bench(
+        "blobs_hostile",
+        "blobs_hostile.py",
+        "a hostile peer's blob requests and a 2^62-byte reference: worker loop stall, memory, CPU, against a baseline",
+        quick=["--quick"],
+        headline=[
+            "current.range_requests.worker_cpu_s",
+            "baseline.range_requests.worker_cpu_s",
+            "current.range_requests.probe_max_ms",
+            "current.huge_reference.largest_part_bytes",
+            "baseline.huge_reference.largest_part_bytes",
+            "current.huge_reference.probe_max_ms",
+            "targets_met",
+        ],
+    ),
+    Bench(
         "catchup",
         "catchup.py",
         "a node catching up after an outage, records and blobs, against the raw ceiling",
