@@ -432,10 +432,18 @@ class LocalCluster:
             return response.status, await response.json(content_type=None)
 
     async def data(self, name: str, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        status, answer, _ = await self.data_request(name, method, path, body)
+        return status, answer
+
+    async def data_request(
+        self, name: str, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None
+    ) -> tuple[int, Any, dict[str, str]]:
+        """A data API request with extra `headers`; the answer's status, JSON body and headers."""
         url = self.nodes[name].data_url + path
         data = None if body is None else json.dumps(body)
-        async with self.http.request(method, url, data=data, ssl=self.data_ssl, headers=self._headers()) as response:
-            return response.status, await response.json(content_type=None)
+        sent = {**self._headers(), **(headers or {})}
+        async with self.http.request(method, url, data=data, ssl=self.data_ssl, headers=sent) as response:
+            return response.status, await response.json(content_type=None), dict(response.headers)
 
     async def wait_ready(self, names: Iterable[str] | None = None, timeout: float = 60.0) -> None:
         pending = set(names or self.nodes)

@@ -46,7 +46,7 @@ from replicator.coordinator.admin_access import REASONS as ADMIN_REFUSALS
 from replicator.coordinator.view import MetricsView
 from replicator.shared import config as config_module
 from replicator.shared import memory
-from replicator.shared.histograms import BATCH_APPLY_SECONDS, BUCKETS
+from replicator.shared.histograms import BATCH_APPLY_SECONDS, BUCKETS, WRITE_CONFIRM_SECONDS
 from replicator.shared.logs import log
 from replicator.shared.messages import ROUND_LIMITS, CounterDelta, HistogramDelta
 from replicator.shared.tls import TlsConfigError, ca_certificates, certificate_chain, issued_by_any
@@ -102,6 +102,14 @@ FED_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "replicator_records_sent_total": ("Records sent to subscribers", ("database", "peer")),
     "replicator_records_written_total": ("Records written locally through the data API", ("database",)),
+    "replicator_write_confirm_timeouts_total": (
+        "Writes answered 504: committed here, but fewer other nodes than asked (?confirm=) held them in time",
+        ("database",),
+    ),
+    "replicator_read_after_timeouts_total": (
+        "Reads answered 504: this node did not cover their session token (X-Replicator-After) in time",
+        ("database",),
+    ),
     "replicator_clock_skew_refusals_total": (
         "Sessions refused because the peer's clock or versions ran ahead by more than max_clock_skew",
         ("peer",),
@@ -258,6 +266,10 @@ _ZERO_LAYOUTS = _zero_layouts()
 FED_HISTOGRAMS: dict[str, tuple[str, tuple[str, ...]]] = {
     BATCH_APPLY_SECONDS: (
         "Time to commit one batch from a peer (its records and marks in one transaction, retries included)",
+        ("database",),
+    ),
+    WRITE_CONFIRM_SECONDS: (
+        "From a write's commit here to its last confirmation from other nodes (?confirm=)",
         ("database",),
     ),
 }

@@ -28,6 +28,7 @@ from replicator.coordinator import filecheck, registry, scaling
 from replicator.coordinator.admin import AdminServer
 from replicator.coordinator.antientropy import AntiEntropy
 from replicator.coordinator.blob_repairs import BlobRepairs
+from replicator.coordinator.confirmations import Confirmations
 from replicator.coordinator.database_limit import DatabaseLimit
 from replicator.coordinator.drops import Drops
 from replicator.coordinator.metrics import Metrics
@@ -135,6 +136,10 @@ class Node:
         # (database, peer) -> what the peer holds complete of each origin, as our senders last saw it acknowledged:
         # a tombstone is purged only once every holder has it.
         self.peer_holds: dict[tuple[str, str], dict[str, int]] = {}
+        # What every other node holds complete, directly and relayed, and the writes waiting for confirmations.
+        self.confirmations = Confirmations(
+            self.name, self.loop, send=self.supervisor.send, slots=lambda: list(self.supervisor.workers)
+        )
         # (peer, database) -> the sending end of the pair, as this node's sender last reported it (`/status`).
         self.sending: dict[tuple[str, str], messages.Sending] = {}
         self._registry_synced = False
@@ -367,6 +372,7 @@ class Node:
             self._reroute.cancel()
             self._reroute = None
         self.router.close()
+        self.confirmations.close()
         await self.supervisor.stop(max(1.0, deadline - 1.0))
         if self._admin is not None:
             await self._admin.close()
@@ -535,6 +541,7 @@ class Node:
 
     def on_node_removed(self, name: str) -> None:
         self.database_limit.forget_peer(name)
+        self.confirmations.forget_node(name)
         for key in [key for key in self.peer_holds if key[1] == name]:
             del self.peer_holds[key]
         for key in [key for key in self.sending if key[0] == name]:
@@ -802,6 +809,7 @@ class Node:
         self.holds.discard(database)
         self.database_limit.removed(database)
         self.recoveries.forget(database)
+        self.confirmations.forget_database(database)
         for key in [key for key in self.peer_holds if key[0] == database]:
             del self.peer_holds[key]
         for key in [key for key in self.sending if key[1] == database]:
@@ -861,6 +869,7 @@ class Node:
                 self.metrics.apply_histograms(histograms)
             case messages.Ready():
                 self.worker_ready.set()
+                self.confirmations.worker_ready(slot)
                 if self.supervisor.all_ready():
                     self._ready.set()
                 if self._ready.is_set():
@@ -893,8 +902,15 @@ class Node:
                 self.antientropy.on_done(message)
             case messages.BlobsRepaired():
                 self.blob_repairs.on_done(message)
-            case messages.PeerHolds(peer=peer, database=database, complete=complete):
+            case messages.PeerHolds(peer=peer, database=database, complete=complete, others=others):
                 self.peer_holds[(database, peer)] = complete
+                self.confirmations.held(database, peer, complete)
+                if others:
+                    self.confirmations.relayed(database, others, self.views)
+            case messages.ConfirmWait():
+                self.confirmations.wait(slot, message)
+            case messages.ConfirmCancel(ticket=ticket):
+                self.confirmations.cancel(slot, ticket)
             case messages.Sending(peer=peer, database=database):
                 self._on_sending(message)
             case messages.PurgeBehind(key=key, database=database, origins=origins):
@@ -1026,6 +1042,7 @@ class Node:
 
     def on_worker_exit(self, handle: WorkerHandle) -> None:
         self.antientropy.on_worker_exit(handle.slot)
+        self.confirmations.worker_gone(handle.slot)
         self.blob_repairs.on_worker_exit(handle.slot)
         for entry in self.map:
             if entry.worker == handle.slot:

@@ -94,6 +94,11 @@ class DataSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     blob_threshold: int = 256 * 1024
     # The largest value (and request body) the data API takes; larger is a 413.
     max_value_bytes: int = 64 * 1024 * 1024
+    # What a write waits for when its client names nothing (`?confirm=`): how many other nodes must hold it, or
+    # "all" or "majority" of the database's holders (shared.confirm); and how long it waits at most (`?timeout=`),
+    # as a read with a session token does.
+    confirm: int | str = 0
+    confirm_timeout: float = 5.0
 
 
 class ReplicationSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -256,6 +261,8 @@ def _apply_env(raw: dict[str, Any], source: str, env: Mapping[str, str]) -> None
 
 def _parse_env_value(var: str, text: str, annotation: Any) -> Any:
     try:
+        if annotation == int | str:  # a number, or a word (data.confirm)
+            return int(text) if text.strip().isdigit() else text
         if annotation is str or getattr(annotation, "__origin__", None) is Literal:
             return text
         if annotation is bool:
@@ -348,6 +355,7 @@ def _check(config: Config, source: str) -> None:
         "replication.blob_deadline": (0.0, day, False, "seconds"),
         "replication.redial_rate": (0.0, 1e6, True, "dials per second"),
         "log.sample_window": (0.0, day, False, "seconds"),
+        "data.confirm_timeout": (0.0, 300.0, True, "seconds"),
     }
     for key, (lowest, highest, closed, unit) in floats.items():
         section, name = key.split(".")
@@ -369,6 +377,16 @@ def _check(config: Config, source: str) -> None:
         value = getattr(getattr(config, section), name)
         if not least <= value <= most:
             fail(key, f"must be a whole number in {least}..{most}, got {value}")
+    confirm = config.data.confirm
+    if isinstance(confirm, str):
+        if confirm.strip().isdigit():
+            confirm = config.data.confirm = int(confirm)
+        elif confirm.strip().lower() in ("all", "majority"):
+            config.data.confirm = confirm.strip().lower()
+    if not (isinstance(confirm, str) and config.data.confirm in ("all", "majority")) and not (
+        isinstance(confirm, int) and 0 <= confirm <= 256
+    ):
+        fail("data.confirm", f"must be a whole number in 0..256, 'all' or 'majority', got {confirm!r}")
     if 0 < rep.blob_rate < rep.blob_min_rate:
         # Served slower than every receiver's minimum rate, each download would be cut before it ends.
         fail(

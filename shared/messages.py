@@ -104,6 +104,24 @@ class Siblings(msgspec.Struct, tag="siblings", kw_only=True):
     pids: list[int]
 
 
+class Holders(msgspec.Struct, tag="holders", kw_only=True):
+    """What the node knows other nodes hold complete of a database (coordinator.confirmations): the worker's
+    sessions of the database pass it on in their `wire.Holds`, so a node confirms writes through a relay."""
+
+    database: str
+    known: dict[str, dict[str, int]]  # node -> origin -> complete
+
+
+class Confirmed(msgspec.Struct, tag="confirmed", kw_only=True):
+    """Answer to ConfirmWait, at once and whenever the count rises: how many other nodes hold the write now."""
+
+    ticket: int
+    confirmed: int
+    done: bool  # as many as it needs: no more answers come for this ticket
+    nodes: list[str] = []
+    gone: bool = False  # the database is no longer held here: no confirmation will come
+
+
 ToWorker = (
     Subscribe
     | Unsubscribe
@@ -115,6 +133,8 @@ ToWorker = (
     | ReleaseDatabase
     | RepairBlobs
     | Siblings
+    | Holders
+    | Confirmed
 )
 
 
@@ -258,6 +278,24 @@ class PeerHolds(msgspec.Struct, tag="peer_holds", kw_only=True):
     peer: str
     database: str
     complete: dict[str, int]
+    # What the subscriber's node says other nodes hold (its `wire.Holds.others`): node -> origin -> complete.
+    others: dict[str, dict[str, int]] = {}
+
+
+class ConfirmWait(msgspec.Struct, tag="confirm_wait", kw_only=True):
+    """A write of this worker waits until `need` other nodes hold `origin` complete up to `version`."""
+
+    ticket: int  # the worker's, echoed in Confirmed
+    database: str
+    origin: str
+    version: int
+    need: int
+
+
+class ConfirmCancel(msgspec.Struct, tag="confirm_cancel", kw_only=True):
+    """The write's client was answered without its confirmations (its timeout passed, or it went away)."""
+
+    ticket: int
 
 
 # The limits an anti-entropy round can fail on (workers.antientropy.Limits): tree nodes pending in one table, queries,
@@ -311,6 +349,8 @@ ToCoordinator = (
     | DatabaseRegressed
     | AntiEntropyDone
     | PeerHolds
+    | ConfirmWait
+    | ConfirmCancel
     | BlobsRepaired
     | Sending
     | PurgeBehind

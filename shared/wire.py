@@ -135,6 +135,10 @@ class Holds(msgspec.Struct, tag="holds", kw_only=True):
     those it gets over other links included. The sender's node purges a tombstone only once every holder has it."""
 
     progress: dict[str, Count]
+    # What the subscriber's node knows other nodes hold complete of the database (node -> origin -> complete): a
+    # node confirms a write held by a node it has no session with through the nodes between (issue 22,
+    # `coordinator.confirmations`). An older peer sends none.
+    others: dict[str, dict[str, Count]] = {}
 
 
 class Heads(msgspec.Struct, tag="heads", kw_only=True):

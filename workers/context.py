@@ -17,6 +17,7 @@ from replicator.shared.retry_budget import Clock, RetryBudget
 from replicator.shared.store import Database, NodeRow, Store
 from replicator.shared.tls import PeerIdentity
 from replicator.workers.changes import ChangeFeeds
+from replicator.workers.confirm import Relays, Waiters
 from replicator.workers.counters import Counters
 
 SYSTEM = "system"
@@ -43,11 +44,16 @@ class WorkerContext:
     _redial_budgets: dict[str, RetryBudget] = field(default_factory=dict)
     # The blob files this process found intact or damaged, per version of each: served without hashing again.
     blob_checks: blobs.Checked = field(default_factory=blobs.Checked)
+    # What the node knows other nodes hold (relayed by the sessions), and this worker's writes waiting for
+    # confirmations (workers.confirm).
+    relays: Relays = field(default_factory=Relays)
+    waiters: Waiters = field(init=False)
 
     def __post_init__(self) -> None:
         self.feeds = ChangeFeeds(lambda name: self.store.database(name), doorbell=self.doorbell)
         self.store.on_commit = self.feeds.committed
         self.verifier = membership.Verifier(self.ca)
+        self.waiters = Waiters(self.report)
         self._known.update(self.store.names())
 
     @property

@@ -26,8 +26,9 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from replicator.shared import blobs
+from replicator.shared import blobs, confirm
 from replicator.shared.config import NAME_RE, is_loopback
+from replicator.shared.histograms import WRITE_CONFIRM_SECONDS
 from replicator.shared.logs import log, where
 from replicator.shared.store import (
     BadName,
@@ -39,6 +40,7 @@ from replicator.shared.store import (
     UnknownDatabase,
 )
 from replicator.shared.wire import Entry
+from replicator.workers.confirm import covered
 from replicator.workers.context import SYSTEM, WorkerContext
 
 MAX_ID_LENGTH = 1024
@@ -74,6 +76,11 @@ def _error(status: int, message: str) -> web.Response:
 
 def _ok(payload: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=_json.encode(payload), content_type="application/json")
+
+
+TOKEN_HEADER = "X-Replicator-Token"
+AFTER_HEADER = "X-Replicator-After"
+CONFIRM_HEADER = "X-Replicator-Confirm"
 
 
 class BadRequest(Exception):
@@ -227,6 +234,8 @@ class DataApi:
                 return response
             try:
                 return await handler(request)
+            except confirm.Refused as exc:
+                return _error(400, str(exc))
             except BadRequest as exc:
                 response = _error(exc.status, exc.message)
                 if exc.status in (408, 413):
@@ -373,19 +382,102 @@ class DataApi:
     def _record(entry: Entry, value: Any) -> dict[str, Any]:
         return {"id": entry.id, "value": value, "version": entry.version, "origin": entry.origin}
 
+    # -- confirmations and session tokens (shared.confirm) -------------------------------------------------------
+
+    def _confirmation(self, request: web.Request, database: str) -> tuple[int, float]:
+        """How many other nodes a write must reach before its answer, and for how long it may wait: checked before
+        anything is written (a spec that cannot be met is a 400, not a write left waiting)."""
+        data = self._ctx.config.data
+        if "confirm" in request.query:
+            spec = confirm.parse_spec(request.query["confirm"], "confirm")
+        elif CONFIRM_HEADER in request.headers:
+            spec = confirm.parse_spec(request.headers[CONFIRM_HEADER], CONFIRM_HEADER)
+        else:
+            spec = data.confirm
+        timeout = confirm.parse_timeout(request.query.get("timeout"), data.confirm_timeout)
+        if spec == 0:
+            return 0, timeout
+        holders = confirm.holders_of(self._ctx.config, self._ctx.registry(), database)
+        return confirm.needed(spec, len(holders), database), timeout
+
+    async def _written_answer(
+        self, database: str, payload: dict[str, Any], version: int | None, need: int, timeout: float
+    ) -> web.Response:
+        """A write's answer once it is committed here: its token, and once `need` other nodes hold it (or a 504 at
+        `timeout` that says what is committed and how far it got, so a client can retry it idempotently)."""
+        if version is None:  # nothing was written (an empty batch)
+            return _ok({**payload, "confirmed": 0} if need else payload)
+        token = confirm.format_token({self._ctx.node: version})
+        if need:
+            started = asyncio.get_running_loop().time()
+            outcome = await self._ctx.waiters.wait(database, self._ctx.node, version, need, timeout)
+            if not outcome.done or outcome.gone or outcome.confirmed < need:
+                self._ctx.counters.inc("replicator_write_confirm_timeouts_total", database)
+                why = (
+                    f"database {database!r} was removed from this node while the write waited"
+                    if outcome.gone
+                    else f"{outcome.confirmed} of {need} confirmations arrived within {timeout:g} s"
+                )
+                response = _ok(
+                    {
+                        **payload,
+                        "error": f"the write is committed on {self._ctx.node} but not confirmed: {why}",
+                        "committed": True,
+                        "confirmed": outcome.confirmed,
+                        "needed": need,
+                        "nodes": outcome.nodes,
+                        "token": token,
+                    },
+                    status=504,
+                )
+                response.headers[TOKEN_HEADER] = token
+                return response
+            elapsed = asyncio.get_running_loop().time() - started
+            self._ctx.counters.observe(WRITE_CONFIRM_SECONDS, elapsed, database)
+            payload = {**payload, "confirmed": outcome.confirmed, "nodes": outcome.nodes}
+        response = _ok(payload)
+        response.headers[TOKEN_HEADER] = token
+        return response
+
+    async def _after(self, request: web.Request, database: str, db: Database) -> web.Response | None:
+        """A read with a session token waits until this node covers it: None then, else the 504 naming what is
+        missing."""
+        header = request.headers.get(AFTER_HEADER)
+        if header is None:
+            return None
+        token = confirm.parse_token(header)
+        timeout = confirm.parse_timeout(request.query.get("timeout"), self._ctx.config.data.confirm_timeout)
+        missing = await covered(db, self._ctx.feeds.get(database), token, timeout)
+        if not missing:
+            return None
+        self._ctx.counters.inc("replicator_read_after_timeouts_total", database)
+        behind = ", ".join(f"{origin} up to {token[origin]} (holds {held})" for origin, held in sorted(missing.items()))
+        return _ok(
+            {
+                "error": f"{self._ctx.node} does not hold database {database!r} as far as the token yet"
+                f" (waited {timeout:g} s): it lacks {behind}",
+                "missing": {origin: {"wanted": token[origin], "held": held} for origin, held in missing.items()},
+            },
+            status=504,
+        )
+
     async def put(self, request: web.Request) -> web.Response:
         database, table = self._names(request, write=True)
         record_id = self._id(request)
         data = self._encode_value(await self._body(request))
+        need, timeout = self._confirmation(request, database)
         db = self._database(database, write=True)
         version = db.put(table, record_id, await self._stored(database, data))
         self._written(database, 1)
-        return _ok({"id": record_id, "version": version})
+        return await self._written_answer(database, {"id": record_id, "version": version}, version, need, timeout)
 
     async def get(self, request: web.Request) -> web.Response:
         database, table = self._names(request, write=False)
         record_id = self._id(request)
-        entry = self._database(database, write=False).get(table, record_id)
+        db = self._database(database, write=False)
+        if (behind := await self._after(request, database, db)) is not None:
+            return behind
+        entry = db.get(table, record_id)
         if entry is None:
             return _error(404, f"no record {record_id!r} in {database}/{table}")
         value, _ = await self._value(database, entry)
@@ -394,6 +486,7 @@ class DataApi:
     async def delete(self, request: web.Request) -> web.Response:
         database, table = self._names(request, write=True)
         record_id = self._id(request)
+        need, timeout = self._confirmation(request, database)
         try:
             db = self._database(database, write=False)
         except UnknownDatabase:
@@ -402,13 +495,14 @@ class DataApi:
         if version is None:
             return _error(404, f"no record {record_id!r} in {database}/{table}")
         self._written(database, 1)
-        return _ok({"id": record_id, "version": version})
+        return await self._written_answer(database, {"id": record_id, "version": version}, version, need, timeout)
 
     async def post_batch(self, request: web.Request) -> web.Response:
         database, table = self._names(request, write=True)
         body = await self._body(request)
         if not isinstance(body, list):
             raise BadRequest(400, 'body must be a JSON array of {"id", "value"} objects')
+        need, timeout = self._confirmation(request, database)
         # Every item is checked before anything is written (a blob included). Per item, only what it needs: the
         # common id is checked inline, the message of a bad one is made when it is bad, and only a value too large
         # to be held inline is awaited on its way to a blob (0.2 µs per item instead of 0.6).
@@ -424,13 +518,14 @@ class DataApi:
             data = encode_value(item["value"], limit)
             blobs_needed = blobs_needed or len(data) > inline
             items.append((record_id, data))
+        version = None
         if items:
             db = self._database(database, write=True)
             if blobs_needed:
                 items = [(record_id, await self._stored(database, data)) for record_id, data in items]
-            db.put_many(table, items)
+            version = max(db.put_many(table, items))
             self._written(database, len(items))
-        return _ok({"count": len(items)})
+        return await self._written_answer(database, {"count": len(items)}, version, need, timeout)
 
     async def list(self, request: web.Request) -> web.Response:
         database, table = self._names(request, write=False)
@@ -441,7 +536,10 @@ class DataApi:
             raise BadRequest(400, f"limit must be a whole number, got {request.query.get('limit')!r}") from None
         if not 1 <= limit <= MAX_LIST_LIMIT:
             raise BadRequest(400, f"limit must be 1 to {MAX_LIST_LIMIT}, got {limit}")
-        entries = self._database(database, write=False).scan(table, after, limit)
+        db = self._database(database, write=False)
+        if (behind := await self._after(request, database, db)) is not None:
+            return behind
+        entries = db.scan(table, after, limit)
         # A page of blobs could be gigabytes: it ends after the record that takes it past data.max_value_bytes.
         budget = self._ctx.config.data.max_value_bytes
         records = []

@@ -236,6 +236,12 @@ class Worker:
                 self._siblings = pids
                 if self.ctx is not None and self.ctx.doorbell is not None:
                     self.ctx.doorbell.set_siblings(pids)
+            case messages.Holders(database=database, known=known):
+                if self.ctx is not None and self.ctx.relays.update(database, known):
+                    self.ctx.feeds.poke(database)  # the sessions' holds tasks wait on the feed when idle
+            case messages.Confirmed():
+                if self.ctx is not None:
+                    self.ctx.waiters.answered(message)
 
     # -- boot and readiness ------------------------------------------------------------------------------------
 

@@ -27,7 +27,13 @@ from replicator.workers.context import WorkerContext
 
 HANDSHAKE_TIMEOUT = 15.0
 MAX_ORIGINS = 1024
-HOLDS_INTERVAL = 5.0  # at most this often, what the subscriber holds is reported to the coordinator
+# At most this often, what the subscriber holds is reported to the coordinator: a write waiting for confirmations
+# (coordinator.confirmations) hears of them within it. The pair's state for /status goes at most every
+# HOLDS_INTERVAL.
+PROMPT_INTERVAL = 0.05
+HOLDS_INTERVAL = 5.0
+MAX_RELAYED_NODES = 256  # nodes a Holds may say something of (`others`)
+MAX_RELAYED = 65_536  # positions a Holds may relay, all nodes together
 HEADS_INTERVAL = 5.0  # at most this often, the subscriber is told what this end could serve it (wire.Heads)
 HEADS_RECHECK = 60.0  # an idle session's heads check when no commit woke it (a lost ring)
 BACKLOG_COUNT_CAP = 5_000_000  # a session's backlog is counted up to this many records (an index range count)
@@ -52,7 +58,10 @@ class Sender:
         # once it is acknowledged. `_unacked`: (batch number, marks) of batches sent with marks.
         self._holds: dict[str, int] = {}
         self._unacked: deque[tuple[int, dict[str, int]]] = deque()
+        self._others: dict[str, dict[str, int]] = {}  # what the subscriber's node says other nodes hold
         self._holds_reported = float("-inf")  # on the loop's clock
+        self._state_reported = float("-inf")
+        self._state_due: asyncio.TimerHandle | None = None
         self._holds_dirty = False
         self._holds_due: asyncio.TimerHandle | None = None  # the deferred report of holds acknowledged meanwhile
         self._sending = asyncio.Lock()  # batches and heads go out whole, one at a time
@@ -131,10 +140,12 @@ class Sender:
             try:
                 await asyncio.gather(*(task for task in (reader, heads) if task is not None), return_exceptions=True)
             finally:
-                # After the reader: its last acks may have armed the report.
+                # After the reader: its last acks may have armed the report; they go now.
                 if self._holds_due is not None:
                     self._holds_due.cancel()
                     self._holds_due = None
+                if self._holds_dirty:
+                    self._report_holds(force=True)
                 self._report_state(connected=False, error=error)
 
     def _open(self, sub: wire.Subscribe) -> Database:
@@ -175,7 +186,7 @@ class Sender:
             while True:
                 message = await frames.receive(self._ws)
                 if isinstance(message, wire.Holds):
-                    self._take_holds(message.progress)
+                    self._take_holds(message.progress, message.others)
                     continue
                 if not isinstance(message, wire.Ack):
                     raise wire.ProtocolViolation(f"expected Ack, got {type(message).__name__}")
@@ -193,17 +204,31 @@ class Sender:
         self._room.set()
         self._ctx.feeds.poke(db.name)
 
-    def _take_holds(self, progress: dict[str, int]) -> None:
-        """The subscriber says what it holds, every origin included (see `wire.Holds`)."""
-        if len(progress) > MAX_ORIGINS:
-            raise wire.ProtocolViolation(f"Holds names {len(progress)} origins; at most {MAX_ORIGINS}")
+    def _take_holds(self, progress: dict[str, int], others: dict[str, dict[str, int]]) -> None:
+        """The subscriber says what it holds, every origin included, and what its node knows of others (see
+        `wire.Holds`)."""
+        _check_positions("Holds", progress)
+        if len(others) > MAX_RELAYED_NODES or sum(len(held) for held in others.values()) > MAX_RELAYED:
+            raise wire.ProtocolViolation(
+                f"Holds relays {len(others)} nodes; at most {MAX_RELAYED_NODES} nodes and {MAX_RELAYED} positions"
+            )
+        for node, held in others.items():
+            if not NAME_RE.match(node):
+                raise wire.ProtocolViolation(f"bad Holds node {node[:70]!r}")
+            _check_positions("Holds", held)
         for origin, version in progress.items():
-            if not NAME_RE.match(origin) or not 0 <= version <= MAX_VERSION:
-                raise wire.ProtocolViolation(f"bad Holds entry {origin[:70]!r}: {version}")
             if version > self._holds.get(origin, 0):
                 self._holds[origin] = version
                 self._holds_dirty = True
-        self._report_holds(force=self._holds_dirty)
+        for node, held in others.items():
+            if node == self._peer or node == self._ctx.node:
+                continue  # the subscriber itself says so directly; this node knows its own
+            mine = self._others.setdefault(node, {})
+            for origin, version in held.items():
+                if version > mine.get(origin, 0):
+                    mine[origin] = version
+                    self._holds_dirty = True
+        self._report_holds()
 
     def _confirm(self, acked: int) -> None:
         """Batches up to `acked` arrived: their marks are held by the subscriber now."""
@@ -220,9 +245,9 @@ class Sender:
         now = loop.time()
         if not (force or self._holds_dirty):
             return
-        left = self._holds_reported + HOLDS_INTERVAL - now
+        left = self._holds_reported + PROMPT_INTERVAL - now
         if not force and left > 0:
-            # Reported less than HOLDS_INTERVAL ago: report once it is over, on a timer of the session's own, so an
+            # Reported less than PROMPT_INTERVAL ago: report once it is over, on a timer of the session's own, so an
             # idle session needs no periodic wake-up to get its last acknowledged marks reported.
             if self._holds_due is None:
                 self._holds_due = loop.call_later(left, self._report_due_holds)
@@ -232,11 +257,22 @@ class Sender:
             self._holds_due = None
         self._holds_dirty = False
         self._holds_reported = now
-        self._ctx.report(messages.PeerHolds(peer=self._peer, database=self._database, complete=dict(self._holds)))
-        self._report_state()
+        others = {node: dict(held) for node, held in self._others.items()}
+        self._ctx.report(
+            messages.PeerHolds(peer=self._peer, database=self._database, complete=dict(self._holds), others=others)
+        )
+        if force or now - self._state_reported >= HOLDS_INTERVAL:
+            self._report_state()
+        elif self._state_due is None:
+            # Reported less than HOLDS_INTERVAL ago: once it is over, so /status shows the last acknowledged batch.
+            self._state_due = loop.call_later(self._state_reported + HOLDS_INTERVAL - now, self._report_due_state)
 
     def _report_state(self, connected: bool = True, error: str = "") -> None:
         """What this end of the pair is doing, for `/status` (messages.Sending)."""
+        self._state_reported = asyncio.get_running_loop().time()
+        if self._state_due is not None:
+            self._state_due.cancel()
+            self._state_due = None
         plan = self._plan
         self._ctx.report(
             messages.Sending(
@@ -258,6 +294,10 @@ class Sender:
     def _report_due_holds(self) -> None:
         self._holds_due = None
         self._report_holds()
+
+    def _report_due_state(self) -> None:
+        self._state_due = None
+        self._report_state()
 
     async def _send_batch(self, message: wire.Message) -> None:
         while self._sent - self._acked >= self._settings.window:
@@ -364,6 +404,15 @@ class Sender:
             if told_caught_up != self._caught_up:
                 self._caught_up = told_caught_up
                 self._report_state()
+
+
+def _check_positions(what: str, positions: dict[str, int]) -> None:
+    """A peer's positions by origin: at most MAX_ORIGINS, each a name and a version, or the session ends."""
+    if len(positions) > MAX_ORIGINS:
+        raise wire.ProtocolViolation(f"{what} names {len(positions)} origins; at most {MAX_ORIGINS}")
+    for origin, version in positions.items():
+        if not NAME_RE.match(origin) or not 0 <= version <= MAX_VERSION:
+            raise wire.ProtocolViolation(f"bad {what} entry {origin[:70]!r}: {version}")
 
 
 class OriginPlan:

@@ -51,6 +51,7 @@ HANDSHAKE_TIMEOUT = 15.0
 DIAL_TIMEOUT = 15.0
 PROGRESS_INTERVAL = 0.5
 HOLDS_INTERVAL = 5.0
+PROMPT_INTERVAL = 0.05  # at most this often, what the node knows others hold is relayed (wire.Holds.others)
 HOLDS_RECHECK = 60.0  # an idle pair's holds check when no commit woke it (a lost ring)
 STAYED_UP = 10.0  # a session up this long made progress: the reconnect schedule starts over after it
 MAX_HEADS = 1024  # origins a Heads may name (as many as a subscription may)
@@ -521,26 +522,41 @@ class PeerSession:
 
     async def _send_holds(self, ws: Any, db: Any, sent: dict[str, int], sending: asyncio.Lock, limit: int) -> None:
         """Tell the sender what this node holds, when it changed, at most every HOLDS_INTERVAL: origins it gets over
-        other links too, which the sender cannot see from its own acknowledged marks.
+        other links too, which the sender cannot see from its own acknowledged marks. What this node knows other
+        nodes hold (`ctx.relays`, for the sender's confirmations) goes as soon as it changes, at most every
+        PROMPT_INTERVAL.
 
-        It wakes on the database's commits (workers.changes), not on a timer: an idle pair costs nothing. Without
-        the safety poll behind it (a lost ring would only delay a report), it looks by itself every HOLDS_RECHECK.
+        It wakes on the database's commits (workers.changes) and on what the coordinator relays, not on a timer: an
+        idle pair costs nothing. Without the safety poll behind it (a lost ring would only delay a report), it looks
+        by itself every HOLDS_RECHECK.
         """
-        feed = self._ctx.feeds.get(db.name)
+        ctx = self._ctx
+        feed = ctx.feeds.get(db.name)
         version: int | None = None  # the file's data_version when progress was last read
+        relayed: dict[str, dict[str, int]] = {}
+        due = self._loop.time() + HOLDS_INTERVAL  # the subscription said where it stood
         while True:
-            await asyncio.sleep(HOLDS_INTERVAL)
-            now = db.data_version()
-            while now == version:  # nothing committed since: what it holds has not moved (an idle pair reads nothing)
-                await feed.wait(HOLDS_RECHECK, polled=False)
-                now = db.data_version()
-            version = now
-            self._note_heads(db)
-            progress = db.progress()
-            if progress != sent:
+            progress = sent
+            now = self._loop.time()
+            if now < due:
+                await ctx.relays.wait(db.name, due - now)
+            else:
+                current = db.data_version()
+                # Nothing committed since: what it holds has not moved. What is relayed changing pokes the feed.
+                while current == version and ctx.relays.get(db.name, self.peer) == relayed:
+                    await feed.wait(HOLDS_RECHECK, polled=False)
+                    current = db.data_version()
+                if current != version:
+                    version = current
+                    self._note_heads(db)
+                    progress = db.progress()
+                    due = self._loop.time() + HOLDS_INTERVAL
+            others = ctx.relays.get(db.name, self.peer)
+            if progress != sent or others != relayed:
                 async with sending:
-                    await frames.send(ws, wire.Holds(progress=progress), limit)
-                sent = progress
+                    await frames.send(ws, wire.Holds(progress=progress, others=others), limit)
+                sent, relayed = progress, others
+                await asyncio.sleep(PROMPT_INTERVAL)
 
     async def _receive(self, ws: Any, db: Any, session: int, sending: asyncio.Lock) -> None:
         """Read the sender's batches and apply them in order, in two tasks: reading goes on while a batch waits on

@@ -40,6 +40,10 @@ class Ledger:
         self._note(record_id, Acknowledged(body["version"], None))
         return int(body["version"])
 
+    def note(self, record_id: str, version: int, value: Any) -> None:
+        """A write acknowledged by a request the test made itself (`value` None for a delete)."""
+        self._note(record_id, Acknowledged(version, value))
+
     def _note(self, record_id: str, ack: Acknowledged) -> None:
         held = self.acked.get(record_id)
         if held is None or ack.version > held.version:

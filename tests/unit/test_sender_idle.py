@@ -1,6 +1,6 @@
 """The sending end at rest (issue 12, a thousand pairs on a node): an idle session reads nothing and wakes for
 nothing until a commit; a commit made while it told the subscriber it had caught up is served at once; the holds a
-subscriber acknowledges are reported on a timer of the session's own, at most once per HOLDS_INTERVAL; the
+subscriber acknowledges are reported on timers of the session's own (PROMPT_INTERVAL, the state HOLDS_INTERVAL); the
 subscriber's own holds report wakes on commits, not on a timer."""
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from replicator.shared import messages, wire
 from replicator.shared.config import from_mapping
 from replicator.shared.store import Database, Store
 from replicator.workers.changes import ChangeFeeds
+from replicator.workers.confirm import Relays
 from replicator.workers.counters import Counters
-from replicator.workers.sender import HOLDS_INTERVAL, OriginPlan, Sender
+from replicator.workers.sender import HOLDS_INTERVAL, PROMPT_INTERVAL, OriginPlan, Sender
 from replicator.workers.session import HOLDS_RECHECK, PeerSession
 from tests.unit.fakeloop import VirtualTimeLoop
 
@@ -110,9 +111,12 @@ def test_a_commit_made_while_telling_the_subscriber_it_caught_up_is_served_at_on
     loop.run(feeds.close())
 
 
-def test_acknowledged_holds_are_reported_once_per_interval_by_the_sessions_own_timer(
+def test_acknowledged_holds_are_reported_promptly_and_the_state_once_per_interval_by_the_sessions_own_timers(
     store: Store, loop: VirtualTimeLoop
 ) -> None:
+    """What the subscriber holds goes to the coordinator at most every PROMPT_INTERVAL (a write waiting for its
+    confirmations hears of them that soon), the pair's state for /status at most every HOLDS_INTERVAL; each on a
+    timer of the session's own, so the last acknowledgement is reported and nothing runs at rest."""
     reports: list[Any] = []
     sender, _, feeds = _sender(store, loop, reports)
     sender._database = "db"
@@ -121,17 +125,22 @@ def test_acknowledged_holds_are_reported_once_per_interval_by_the_sessions_own_t
         sender._unacked.append((batch, {"q": mark}))
         sender._confirm(batch)
 
+    def seen() -> tuple[list[tuple[float, dict[str, int]]], list[float]]:
+        holds = [(at, r.complete) for at, r in reports if isinstance(r, messages.PeerHolds)]
+        return holds, [at for at, r in reports if isinstance(r, messages.Sending)]
+
+    sender._ctx.report = lambda message: reports.append((loop.time(), message))
     loop.call_at(0.0, sender._report_holds, True)  # what the session reports as it starts
     loop.call_at(1.0, acknowledge, 1, 9)
-    loop.call_at(2.0, acknowledge, 2, 11)
+    loop.call_at(1.01, acknowledge, 2, 11)
     loop.advance_to(HOLDS_INTERVAL - 0.001)
-    holds = [r for r in reports if isinstance(r, messages.PeerHolds)]
-    assert [h.complete for h in holds] == [{}]
+    holds, states = seen()
+    assert holds == [(0.0, {}), (1.0, {"q": 9}), (pytest.approx(1.0 + PROMPT_INTERVAL), {"q": 11})]
+    assert states == [0.0]
     loop.advance_to(HOLDS_INTERVAL)
-    holds = [r for r in reports if isinstance(r, messages.PeerHolds)]
-    assert [h.complete for h in holds] == [{}, {"q": 11}]
+    assert seen()[1] == [0.0, HOLDS_INTERVAL]  # the state of the last acknowledged batch, once the interval is over
     loop.advance_to(600.0)
-    assert len([r for r in reports if isinstance(r, messages.PeerHolds)]) == 2  # at rest: nothing more
+    assert [len(kind) for kind in seen()] == [3, 2]  # at rest: nothing more
     loop.run(feeds.close())
 
 
@@ -154,7 +163,9 @@ def test_the_subscribers_holds_wake_on_commits_and_read_nothing_at_rest(
     store.on_commit = feeds.committed
     feeds.start(loop)
     session = object.__new__(PeerSession)
-    session._ctx = SimpleNamespace(feeds=feeds)  # type: ignore[assignment]
+    session._ctx = SimpleNamespace(feeds=feeds, relays=Relays())  # type: ignore[assignment]
+    session._loop = loop  # type: ignore[assignment]
+    session.sub = SimpleNamespace(peer="p")  # type: ignore[assignment]
     session._peer_heads, session.ahead = {}, {}  # no Heads from this peer
     ws = Socket()
     holds = loop.create_task(session._send_holds(ws, db, {}, asyncio.Lock(), 0))
