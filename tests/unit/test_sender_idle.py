@@ -20,7 +20,7 @@ from replicator.shared.store import Database, Store
 from replicator.workers.changes import ChangeFeeds
 from replicator.workers.confirm import Relays
 from replicator.workers.counters import Counters
-from replicator.workers.sender import HOLDS_INTERVAL, PROMPT_INTERVAL, OriginPlan, Sender
+from replicator.workers.sender import HOLDS_INTERVAL, MAX_RELAYED_NODES, PROMPT_INTERVAL, OriginPlan, Sender
 from replicator.workers.session import HOLDS_RECHECK, PeerSession
 from tests.unit.fakeloop import VirtualTimeLoop
 
@@ -195,4 +195,32 @@ def test_the_subscribers_holds_wake_on_commits_and_read_nothing_at_rest(
     assert [m.progress for m in ws.sent if isinstance(m, wire.Holds)][-1] == {"q": 4}
     holds.cancel()
     loop.run(asyncio.gather(holds, return_exceptions=True))
+    loop.run(feeds.close())
+
+
+def test_what_a_subscriber_relays_is_bounded_merged_and_reported_promptly(store: Store, loop: VirtualTimeLoop) -> None:
+    """`wire.Holds.others`: what the subscriber's node says other nodes hold, for this node's confirmations. The
+    highest of each is kept and reported; the subscriber's own entry and this node's are not taken from it; past
+    the caps, or with a bad name, the session ends as a protocol violation before anything is kept."""
+    reports: list[Any] = []
+    sender, _, feeds = _sender(store, loop, reports)
+    sender._database = "db"
+    sender._peer = "p"
+
+    def take(others: dict[str, dict[str, int]]) -> None:
+        sender._take_holds({}, others)
+
+    loop.call_at(0.0, take, {"c": {"n": 5}, "p": {"n": 99}, "n": {"n": 99}})
+    loop.call_at(1.0, take, {"c": {"n": 3, "q": 1}})
+    loop.advance_to(2.0)
+    relayed = [r.others for r in reports if isinstance(r, messages.PeerHolds)]
+    assert relayed == [{"c": {"n": 5}}, {"c": {"n": 5, "q": 1}}]
+    for others, reason in (
+        ({f"x{i}": {} for i in range(MAX_RELAYED_NODES + 1)}, "at most 256 nodes"),
+        ({"bad name": {"n": 1}}, "bad Holds node"),
+        ({"c": {"n": -1}}, "bad Holds entry"),
+    ):
+        with pytest.raises(wire.ProtocolViolation, match=reason):
+            take(others)
+    assert sender._others == {"c": {"n": 5, "q": 1}}
     loop.run(feeds.close())
