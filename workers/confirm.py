@@ -20,6 +20,11 @@ from replicator.shared import confirm, messages
 from replicator.shared.store import Database
 from replicator.workers.changes import ChangeFeed
 
+# Requests of one worker that may wait at once for confirmations, and reads for a token: each costs a ticket at the
+# coordinator or a look at the file per commit, so a crowd of clients is refused (503) before anything is written.
+MAX_WAITING_WRITES = 4096
+MAX_WAITING_READS = 1024
+
 
 class Relays:
     """What the node knows each other node holds complete of each database: node -> origin -> complete."""
@@ -115,6 +120,9 @@ class Waiters:
 
     def pending(self) -> int:
         return len(self._tickets)
+
+    def full(self) -> bool:
+        return len(self._tickets) >= MAX_WAITING_WRITES
 
 
 async def covered(db: Database, feed: ChangeFeed, token: dict[str, int], timeout: float) -> dict[str, int]:

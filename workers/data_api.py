@@ -40,7 +40,7 @@ from replicator.shared.store import (
     UnknownDatabase,
 )
 from replicator.shared.wire import Entry
-from replicator.workers.confirm import covered
+from replicator.workers.confirm import MAX_WAITING_READS, MAX_WAITING_WRITES, covered
 from replicator.workers.context import SYSTEM, WorkerContext
 
 MAX_ID_LENGTH = 1024
@@ -213,6 +213,7 @@ async def answer_errors(request: web.Request, handler: Handler) -> web.StreamRes
 class DataApi:
     def __init__(self, ctx: WorkerContext) -> None:
         self._ctx = ctx
+        self._reads_waiting = 0  # reads waiting for their token here now
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -398,7 +399,10 @@ class DataApi:
         if spec == 0:
             return 0, timeout
         holders = confirm.holders_of(self._ctx.config, self._ctx.registry(), database)
-        return confirm.needed(spec, len(holders), database), timeout
+        need = confirm.needed(spec, len(holders), database)
+        if need and self._ctx.waiters.full():
+            raise BadRequest(503, f"{MAX_WAITING_WRITES} writes wait for confirmations here already: nothing written")
+        return need, timeout
 
     async def _written_answer(
         self, database: str, payload: dict[str, Any], version: int | None, need: int, timeout: float
@@ -447,7 +451,13 @@ class DataApi:
             return None
         token = confirm.parse_token(header)
         timeout = confirm.parse_timeout(request.query.get("timeout"), self._ctx.config.data.confirm_timeout)
-        missing = await covered(db, self._ctx.feeds.get(database), token, timeout)
+        if self._reads_waiting >= MAX_WAITING_READS:
+            raise BadRequest(503, f"{MAX_WAITING_READS} reads wait for their tokens here already; try again")
+        self._reads_waiting += 1
+        try:
+            missing = await covered(db, self._ctx.feeds.get(database), token, timeout)
+        finally:
+            self._reads_waiting -= 1
         if not missing:
             return None
         self._ctx.counters.inc("replicator_read_after_timeouts_total", database)
