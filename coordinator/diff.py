@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import aiohttp
 import msgspec
 
-from replicator.coordinator.admin_client import admin_headers
+from replicator.coordinator.admin_client import ADMIN_TOKEN_ENV, admin_headers
 from replicator.coordinator.digest_tree import ROWS, TREE, encoded, tree_query
 from replicator.coordinator.inspect import _table as table_text
 from replicator.shared import digests
@@ -125,6 +125,7 @@ class Descent:
         if self._full:
             outcome.truncated = True
             del outcome.differences[self._limit :]
+        outcome.differences.sort(key=lambda d: (d.table, d.id))  # found in tree order; listed in id order
         return outcome
 
     async def _both(self, ask: Callable[[Side], Any]) -> tuple[Any, Any]:
@@ -219,7 +220,10 @@ class AdminSide:
             raise self._refused("/healthz", status, body)
         name = json.loads(body).get("node")
         if not isinstance(name, str):
-            raise DiffError(f"{self.admin}/healthz did not name the node: is the admin token right?")
+            raise DiffError(
+                f"{self.admin}/healthz did not name the node, which it tells only a client with the admin token"
+                f" (give --config FILE or ${ADMIN_TOKEN_ENV})"
+            )
         return name
 
     async def tables(self) -> dict[str, Any] | None:
@@ -377,7 +381,7 @@ def render(found: dict[str, Any], outcome: Outcome) -> str:
     if outcome.differences:
         lines.append("")
         rows = [[d.table, d.id[:80], _cell(d.first), _cell(d.second), _note(d, labels)] for d in outcome.differences]
-        lines.append(table_text(["table", "id", labels[0], labels[1], ""], rows))
+        lines.append(table_text(["table", "id", labels[0], labels[1], "note"], rows))
     elif outcome.tables and not outcome.error:
         lines.append("  no record differs in the digest trees (rows outside them wait for the scrub to place them)")
     count = len(outcome.differences)
