@@ -134,12 +134,12 @@ class Descent:
         self.outcome.queries += sum(self._held)
         if self.outcome.queries > 2 * self._max_queries:
             raise DiffError(f"more than {self._max_queries} queries of each node; give a smaller --limit")
-        async with asyncio.TaskGroup() as group:
-            tasks = [
-                group.create_task(ask(side)) if held else None
-                for side, held in zip(self._sides, self._held, strict=True)
-            ]
-        first, second = (None if task is None else task.result() for task in tasks)
+        asked = [ask(side) if held else _nothing() for side, held in zip(self._sides, self._held, strict=True)]
+        # Both are awaited to their end, whichever fails: then the first failure is the answer.
+        first, second = await asyncio.gather(*asked, return_exceptions=True)
+        for answer in (first, second):
+            if isinstance(answer, BaseException):
+                raise answer
         return first, second
 
     async def _descend(self, table: str, level: int, nodes: list[int]) -> None:
@@ -186,6 +186,10 @@ class Descent:
                 self.outcome.differences.append(Difference(table, record_id, mine, other))  # type: ignore[arg-type]
 
 
+async def _nothing() -> None:
+    return None
+
+
 # -- the sides --------------------------------------------------------------------------------------------------
 
 
@@ -213,12 +217,21 @@ class AdminSide:
             reason = None
         return DiffError(f"{self.admin}{path} answered {status}" + (f": {reason}" if reason else ""))
 
+    def _document(self, path: str, body: bytes) -> dict[str, Any]:
+        try:
+            found = json.loads(body)
+        except ValueError:
+            found = None
+        if not isinstance(found, dict):
+            raise DiffError(f"{self.admin}{path} did not answer a JSON object: is it a node's admin port?")
+        return found
+
     async def name(self) -> str:
         """The node's name, which it tells a client holding the token (`/healthz`)."""
         status, body = await self._get("/healthz")
         if status != 200:
             raise self._refused("/healthz", status, body)
-        name = json.loads(body).get("node")
+        name = self._document("/healthz", body).get("node")
         if not isinstance(name, str):
             raise DiffError(
                 f"{self.admin}/healthz did not name the node, which it tells only a client with the admin token"
@@ -233,7 +246,7 @@ class AdminSide:
             return None
         if status != 200:
             raise self._refused(path, status, body)
-        tables = json.loads(body).get("tables")
+        tables = self._document(path, body).get("tables")
         if not isinstance(tables, dict):
             raise DiffError(f"{self.admin}{path} answered no tables")
         return tables

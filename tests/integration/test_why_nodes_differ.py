@@ -38,6 +38,7 @@ async def test_a_records_history_lists_its_writes_updates_and_delete_newest_firs
     cluster.start()
     try:
         await cluster.wait_ready()
+        await cluster.wait_settled()  # the boot's renewals over: nothing but the test writes
         path = f"/data/{DATABASE}/t/x"
         written = []
         for value in (1, 2):
@@ -101,6 +102,7 @@ async def test_diff_lists_the_records_a_cut_link_left_different_then_nothing_onc
     cluster.start()
     try:
         await cluster.wait_ready()
+        await cluster.wait_settled()
         await write_many(cluster, "a", DATABASE, "t", [f"r{i:04d}" for i in range(300)], {"n": 0})
         await cluster.wait_converged(DATABASE, timeout=60, expect_count=300)
         config = str(cluster["a"].config_path)  # the CLI sends its listen.admin_token (one token for the cluster)

@@ -174,3 +174,17 @@ def test_which_side_is_newer_follows_last_writer_wins() -> None:
     assert newer(Difference("t", "x", (5, "a", False, 1), (5, "b", False, 2))) == 1
     assert newer(Difference("t", "x", (6, "a", True, 1), (5, "b", False, 2))) == 0
     assert newer(Difference("t", "x", (5, "a", False, 1), (5, "a", False, 2))) is None
+
+
+class Refusing(LocalSide):
+    """A side whose node refuses every tree request, as one past a cap or gone would."""
+
+    async def children(self, table: str, level: int, nodes: list[int]) -> list[list[tuple[int, int]]]:
+        raise DiffError(f"{self.label} answered 503")
+
+
+async def test_a_side_that_fails_mid_descent_ends_it_with_its_reason(pair: tuple[Database, Database]) -> None:
+    a, b = pair
+    a.put("t", "x", b"1")
+    with pytest.raises(DiffError, match="b answered 503"):
+        await Descent(LocalSide(a, "a"), Refusing(b, "b"), limit=10).run()
