@@ -178,12 +178,12 @@ class Descent:
 
     async def _settle(self, table: str, level: int, nodes: list[int]) -> None:
         first, second = await self._both(lambda side: side.rows(table, level, nodes))
-        ours = {row[0]: tuple(row[1:]) for row in first or []}
-        theirs = {row[0]: tuple(row[1:]) for row in second or []}
+        ours: dict[str, Row] = {row[0]: (row[1], row[2], row[3], row[4]) for row in first or []}
+        theirs: dict[str, Row] = {row[0]: (row[1], row[2], row[3], row[4]) for row in second or []}
         for record_id in sorted(ours.keys() | theirs.keys()):
             mine, other = ours.get(record_id), theirs.get(record_id)
             if mine != other:
-                self.outcome.differences.append(Difference(table, record_id, mine, other))  # type: ignore[arg-type]
+                self.outcome.differences.append(Difference(table, record_id, mine, other))
 
 
 async def _nothing() -> None:

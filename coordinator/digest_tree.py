@@ -62,7 +62,9 @@ def tree_query(kind: str, database: str, table: str, query: Mapping[str, str]) -
     if not nodes:
         raise BadQuery("nodes is required: the tree nodes of the level, separated by commas")
     made = Children if kind == TREE else Rows
-    return check_query(made(database=database, table=table, level=level, nodes=nodes))  # type: ignore[return-value]
+    checked = check_query(made(database=database, table=table, level=level, nodes=nodes))
+    assert isinstance(checked, Children | Rows)
+    return checked
 
 
 def encoded(db: Database, query: Children | Rows) -> bytes:
