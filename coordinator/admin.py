@@ -13,6 +13,8 @@ POST /antientropy/{database} /antientropy [?timeout=SECONDS]   run an anti-entro
 POST /repair/blobs/{database} [?timeout=SECONDS]   fetch again from peers every blob of the database that is missing
     or damaged here, paced (workers.blob_repair); answers when done: {"database", "scanned", "missing", "repaired",
     "failed": [{"table", "id", "hash", "reason"}]}, 500 with "error" when it stopped early
+GET /digest/{database}/{table}/tree?level=L&nodes=N,...  /digest/{database}/{table}/rows?level=L&nodes=N,...   a
+    table's digest tree and the rows under its nodes, read-only, under the anti-entropy caps (coordinator.digest_tree)
 DELETE /databases/{name}   delete a database cluster-wide (shared.dropped): {"name", "version"}, the version being
     the deletion floor; 400 for a bad name or `system`, 404 when neither this node nor the registry knows it
 
@@ -34,6 +36,7 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 from replicator.coordinator.admin_access import MAX_CONNECTIONS, AdminAccess
 from replicator.coordinator.admin_site import CappedSite
 from replicator.coordinator.blob_repairs import NoWorker, WorkerExited
+from replicator.coordinator.digest_tree import DigestTree
 from replicator.coordinator.drops import NotHeld
 from replicator.coordinator.filecheck import WriteProbe
 from replicator.coordinator.view import AdminView
@@ -113,6 +116,8 @@ class AdminServer:
         app.router.add_post("/antientropy/{database}", self.antientropy)
         app.router.add_post("/repair/blobs/{database}", self.repair_blobs)
         app.router.add_post("/pairs/{peer}/{database}/reset", self.reset_pair)
+        # Read-only, for `replicator diff`: a table's digest tree and rows (coordinator.digest_tree).
+        app.router.add_routes(DigestTree(node).routes())
         self._app = app
 
     async def start(self) -> None:

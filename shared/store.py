@@ -98,6 +98,11 @@ LEAN_CACHE_PAGES = 2
 # loop's own reads of the file in.
 SCAN_CHUNK = 512
 VERIFY_CHUNK = 32
+# A record's history (`Database.history`) is found by reading the audit log newest first, by ranges of its sequence,
+# each under its own hold of the connection: no index on the log costs every write, and one request reads at most
+# HISTORY_SCAN entries of it (the answer then says where to go on from).
+HISTORY_CHUNK = 8192
+HISTORY_SCAN = 262_144
 
 SCHEMA_VERSION = 5
 # Before version 4 rows carried no checksums: such a file's rows are checksummed from what they hold (`_add_digests`).
@@ -275,6 +280,44 @@ def check_name(name: str, kind: str = "name") -> str:
     if not isinstance(name, str) or not NAME_RE.match(name):
         raise BadName(f"bad {kind} name {name!r}: use 1 to 64 of A-Z a-z 0-9 _ -")
     return name
+
+
+class Current(msgspec.Struct, frozen=True):
+    """What the records table holds of one record: its version, origin, whether it is a tombstone, and whether the
+    row fails its checksum (damaged: it is not served, and anti-entropy replaces it)."""
+
+    version: int
+    origin: str
+    tombstone: bool
+    damaged: bool
+
+
+class Applied(msgspec.Struct, frozen=True):
+    """One audit entry of a record: a version this file committed, written here (`local`) or applied from a peer,
+    and when (wall clock, seconds since the epoch)."""
+
+    seq: int
+    version: int
+    origin: str
+    tombstone: bool
+    local: bool
+    committed_at: float
+
+
+class History(msgspec.Struct, frozen=True):
+    """A record's state and its audit entries newest first (`Database.history`).
+
+    `before`: when set, older entries may lie below this sequence (pass it as `before` to read on); `reason` says
+    why the answer stopped there: "limit" (more entries than asked for) or "scan" (HISTORY_SCAN entries of the log
+    read). `oldest`: the commit time of the oldest entry the log still holds, and `pruned` whether entries older
+    than it were removed (retention or a database deletion): a record's history before then is gone here."""
+
+    current: Current | None
+    entries: list[Applied]
+    before: int | None
+    reason: str
+    oldest: float | None
+    pruned: bool
 
 
 class Origin(msgspec.Struct, frozen=True):
@@ -888,6 +931,54 @@ class Database:
             raise found[0]
         bad = {row[1] for row in damaged}
         return [_entry(row) for row in rows if row[1] not in bad]
+
+    def history(
+        self,
+        table: str,
+        id: str,
+        limit: int,
+        *,
+        before: int | None = None,
+        scan: int = HISTORY_SCAN,
+        chunk: int = HISTORY_CHUNK,
+    ) -> History:
+        """The record's current state and at most `limit` of its audit entries, newest first, below sequence
+        `before` (from the newest when None). At most `scan` entries of the log are read, `chunk` at a time under
+        separate holds of the connection; a caller on an event loop runs it in a thread."""
+        with self._read() as conn:
+            row = conn.execute(f"SELECT {_CHECKED} FROM records WHERE tbl = ? AND id = ?", (table, id)).fetchone()
+            head = self._head(conn)
+            low, oldest = conn.execute(
+                "SELECT seq, committed_at FROM audit WHERE seq = (SELECT min(seq) FROM audit)"
+            ).fetchone() or (head + 1, None)
+        current = None if row is None else Current(row[3], row[4], bool(row[5]), not _intact(row))
+        entries: list[Applied] = []
+        cursor = head + 1 if before is None else min(before, head + 1)
+        read = 0
+        stopped: int | None = None
+        reason = ""
+        while cursor > low:
+            if read >= scan:
+                stopped, reason = cursor, "scan"
+                break
+            start = max(low, cursor - min(chunk, scan - read))
+            with self._lock:
+                found = self._conn.execute(
+                    "SELECT seq, version, origin, tombstone, local, committed_at FROM audit"
+                    " WHERE seq >= ? AND seq < ? AND tbl = ? AND id = ? ORDER BY seq DESC",
+                    (start, cursor, table, id),
+                ).fetchall()
+            read += cursor - start
+            cursor = start
+            entries.extend(
+                Applied(seq, version, origin, bool(tombstone), local == own_writes.LOCAL, float(at))
+                for seq, version, origin, tombstone, local, at in found
+            )
+            if len(entries) > limit:
+                del entries[limit:]
+                stopped, reason = entries[-1].seq, "limit"
+                break
+        return History(current, entries, stopped, reason, oldest, low > 1)
 
     def _damaged(self, rows: list[tuple]) -> list[DamagedRecord]:
         """Mark rows read with `_CHECKED` columns as damaged (their bucket digest moves, so the next anti-entropy

@@ -185,6 +185,12 @@ def decode_query(body: bytes) -> Query:
         query = _query_decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise BadQuery(f"not an anti-entropy query: {exc}") from None
+    return check_query(query)
+
+
+def check_query(query: Query) -> Query:
+    """The query, when it names what can exist and asks for no more than one answer may hold (BadQuery otherwise):
+    the checks of every query a peer sends, and of the admin port's digest-tree requests (`coordinator.diff`)."""
     if not NAME_RE.match(query.database):
         raise BadQuery(f"bad database name {query.database[:70]!r}")
     if isinstance(query, Children | Rows | Fetch):
@@ -530,28 +536,7 @@ class Round:
             )
 
     def _batches(self, level: int, nodes: list[int]) -> Iterator[list[int]]:
-        """`nodes` of one level cut into queries, as they are asked: MAX_NODES at a time above the stored buckets;
-        below them at most MAX_ROW_NODES, whose buckets hold at most SCAN_BATCH rows together by the counts seen (a
-        lone node's bucket may hold more: the peer answers it or refuses)."""
-        if level < digests.STORED_LEVEL:
-            for start in range(0, len(nodes), MAX_NODES):
-                yield nodes[start : start + MAX_NODES]
-            return
-        batch: list[int] = []
-        buckets: set[int] = set()
-        rows = 0
-        for node in nodes:
-            bucket = digests.bucket_above(level, node)
-            extra = 0 if bucket in buckets else min(self._bucket_rows.get(bucket, 0), MAX_SCAN_ROWS)
-            if batch and (len(batch) == MAX_ROW_NODES or rows + extra > SCAN_BATCH):
-                yield batch
-                batch, buckets, rows = [], set(), 0
-                extra = min(self._bucket_rows.get(bucket, 0), MAX_SCAN_ROWS)
-            batch.append(node)
-            buckets.add(bucket)
-            rows += extra
-        if batch:
-            yield batch
+        return query_batches(level, nodes, self._bucket_rows)
 
     async def _table(self, table: str, theirs: digests.Digest, ours: digests.Digest) -> None:
         leaves: dict[int, list[int]] = {}
@@ -783,6 +768,32 @@ class Round:
     async def _pace(self, records: int) -> None:
         if records and self._rate > 0:
             await self._in_time(self._sleep(records / self._rate))
+
+
+def query_batches(level: int, nodes: list[int], bucket_rows: dict[int, int]) -> Iterator[list[int]]:
+    """`nodes` of one level cut into queries, as they are asked: MAX_NODES at a time above the stored buckets; below
+    them at most MAX_ROW_NODES, whose buckets hold at most SCAN_BATCH rows together by the counts seen (`bucket_rows`,
+    the larger side's count of each stored bucket; a lone node's bucket may hold more: the peer answers it or
+    refuses)."""
+    if level < digests.STORED_LEVEL:
+        for start in range(0, len(nodes), MAX_NODES):
+            yield nodes[start : start + MAX_NODES]
+        return
+    batch: list[int] = []
+    buckets: set[int] = set()
+    rows = 0
+    for node in nodes:
+        bucket = digests.bucket_above(level, node)
+        extra = 0 if bucket in buckets else min(bucket_rows.get(bucket, 0), MAX_SCAN_ROWS)
+        if batch and (len(batch) == MAX_ROW_NODES or rows + extra > SCAN_BATCH):
+            yield batch
+            batch, buckets, rows = [], set(), 0
+            extra = min(bucket_rows.get(bucket, 0), MAX_SCAN_ROWS)
+        batch.append(node)
+        buckets.add(bucket)
+        rows += extra
+    if batch:
+        yield batch
 
 
 class Holder:

@@ -40,6 +40,7 @@ from replicator.shared.store import (
     UnknownDatabase,
 )
 from replicator.shared.wire import Entry
+from replicator.workers import record_history
 from replicator.workers.confirm import MAX_WAITING_READS, MAX_WAITING_WRITES, covered
 from replicator.workers.context import SYSTEM, WorkerContext
 
@@ -214,6 +215,7 @@ class DataApi:
     def __init__(self, ctx: WorkerContext) -> None:
         self._ctx = ctx
         self._reads_waiting = 0  # reads waiting for their token here now
+        self._history_turns = asyncio.Semaphore(record_history.HISTORY_AT_ONCE)
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -487,11 +489,36 @@ class DataApi:
         db = self._database(database, write=False)
         if (behind := await self._after(request, database, db)) is not None:
             return behind
+        try:
+            if record_history.wanted(request.query):
+                return await self._history(request, database, table, record_id)
+        except record_history.BadHistoryQuery as exc:
+            raise BadRequest(400, str(exc)) from None
         entry = db.get(table, record_id)
         if entry is None:
             return _error(404, f"no record {record_id!r} in {database}/{table}")
         value, _ = await self._value(database, entry)
         return _ok(self._record(entry, value))
+
+    async def _history(self, request: web.Request, database: str, table: str, record_id: str) -> web.Response:
+        """`?history=true`: the record's state and audit entries here (`workers.record_history`)."""
+        limit, before = record_history.options(request.query)
+        db = self._database(database, write=False)
+        wait = self._ctx.config.listen.request_timeout
+        try:
+            async with asyncio.timeout(wait):
+                await self._history_turns.acquire()
+        except TimeoutError:
+            response = _error(503, f"{record_history.HISTORY_AT_ONCE} history requests are being answered; try again")
+            response.headers["Retry-After"] = "1"
+            return response
+        try:
+            history = await asyncio.to_thread(db.history, table, record_id, limit, before=before)
+        finally:
+            self._history_turns.release()
+        if before is None and record_history.absent(history):
+            return _error(404, f"no record {record_id!r} in {database}/{table}")
+        return _ok(record_history.document(database, table, record_id, history, limit))
 
     async def delete(self, request: web.Request) -> web.Response:
         database, table = self._names(request, write=True)
