@@ -101,14 +101,15 @@ def test_the_holders_of_a_database_are_those_that_hold_it_or_will_replicate_it_w
 
 
 class Pipes:
-    def __init__(self) -> None:
+    def __init__(self, loop: VirtualTimeLoop) -> None:
+        self.loop = loop
         self.sent: list[tuple[float, int, Any]] = []
         self.closed: set[int] = set()
 
     def send(self, slot: int, message: Any) -> bool:
         if slot in self.closed:
             return False
-        self.sent.append((asyncio.get_event_loop().time(), slot, message))
+        self.sent.append((self.loop.time(), slot, message))
         return True
 
     def of(self, kind: type) -> list[tuple[float, int, Any]]:
@@ -124,7 +125,7 @@ def _wait(ticket: int, version: int, need: int) -> messages.ConfirmWait:
 
 
 def test_a_waiter_hears_its_count_at_once_and_as_it_rises_until_it_is_done(loop: VirtualTimeLoop) -> None:
-    pipes = Pipes()
+    pipes = Pipes(loop)
     confirmations = _confirmations(loop, pipes)
     confirmations.held("d", "b", {"a": 100})
     loop.call_at(1.0, confirmations.wait, 1, _wait(7, 100, 2))
@@ -138,7 +139,7 @@ def test_a_waiter_hears_its_count_at_once_and_as_it_rises_until_it_is_done(loop:
 
 
 def test_positions_only_rise_and_a_stale_report_never_confirms_a_later_write(loop: VirtualTimeLoop) -> None:
-    pipes = Pipes()
+    pipes = Pipes(loop)
     confirmations = _confirmations(loop, pipes)
     confirmations.held("d", "b", {"a": 100})
     confirmations.held("d", "b", {"a": 50})  # a new session resumed from less (its file was lost): the highest stays
@@ -149,7 +150,7 @@ def test_positions_only_rise_and_a_stale_report_never_confirms_a_later_write(loo
 
 
 def test_relayed_positions_count_only_for_nodes_of_the_registry_and_never_this_node(loop: VirtualTimeLoop) -> None:
-    pipes = Pipes()
+    pipes = Pipes(loop)
     confirmations = _confirmations(loop, pipes)
     confirmations.wait(2, _wait(3, 10, 2))
     confirmations.relayed("d", {"a": {"a": 99}, "b": {"a": 10}, "forged": {"a": 10}}, registry={"a", "b", "c"})
@@ -160,7 +161,7 @@ def test_relayed_positions_count_only_for_nodes_of_the_registry_and_never_this_n
 
 
 def test_relayed_knowledge_reaches_the_workers_once_per_burst_and_a_new_worker_gets_all(loop: VirtualTimeLoop) -> None:
-    pipes = Pipes()
+    pipes = Pipes(loop)
     confirmations = _confirmations(loop, pipes)
     loop.call_at(1.0, confirmations.held, "d", "b", {"a": 1})
     loop.call_at(1.0 + PUSH_DELAY / 2, confirmations.held, "d", "b", {"a": 2, "c": 5})
@@ -195,7 +196,7 @@ def test_relayed_knowledge_reaches_the_workers_once_per_burst_and_a_new_worker_g
 
 
 def test_cancelled_gone_and_removed_waiters_hear_nothing_more(loop: VirtualTimeLoop) -> None:
-    pipes = Pipes()
+    pipes = Pipes(loop)
     confirmations = _confirmations(loop, pipes)
     for slot, ticket in ((1, 1), (1, 2), (2, 1)):
         confirmations.wait(slot, _wait(ticket, 10, 1))
@@ -209,7 +210,7 @@ def test_cancelled_gone_and_removed_waiters_hear_nothing_more(loop: VirtualTimeL
 
 
 def test_a_waiter_whose_worker_cannot_be_told_is_dropped(loop: VirtualTimeLoop) -> None:
-    pipes = Pipes()
+    pipes = Pipes(loop)
     pipes.closed.add(1)
     confirmations = _confirmations(loop, pipes)
     confirmations.wait(1, _wait(1, 10, 1))
