@@ -41,6 +41,8 @@ async def test_a_backup_under_writes_restored_onto_a_wiped_node_converges_withou
     make_cluster, tmp_path: Path
 ) -> None:
     cluster = make_cluster(["a", "b", "c"], workers=1, replication={**FAST, "failover_after": 2.0})
+    for node in cluster.nodes.values():
+        node.extra["data"] = {"blob_threshold": 1024}  # a value of 4 KB is a blob file beside its database
     cluster.start()
     ledger = Ledger(cluster, DATABASE)
     other = Ledger(cluster, OTHER)
@@ -53,7 +55,8 @@ async def test_a_backup_under_writes_restored_onto_a_wiped_node_converges_withou
             for i in range(20):
                 await ledger.put(name, f"{name}-{i:02d}", {"by": name, "i": i})
         await other.put("a", "x", "before")
-        await cluster.wait_converged(DATABASE, timeout=60, expect_count=60)
+        await ledger.put("a", "big", "b" * 4096)
+        await cluster.wait_converged(DATABASE, timeout=60, expect_count=61)
         await cluster.wait_converged(OTHER, timeout=60, expect_count=1)
 
         # The backup runs while a and b keep writing: what lands after a's snapshot is not in it.
@@ -73,6 +76,8 @@ async def test_a_backup_under_writes_restored_onto_a_wiped_node_converges_withou
         assert manifest["node"] == "a" and {d["database"] for d in manifest["databases"]} == {
             d["database"] for d in summary["databases"]
         }
+        precious = next(d for d in manifest["databases"] if d["database"] == DATABASE)
+        assert len(precious["blobs"]) == 1 and (out / precious["blobs"][0]["path"]).is_file()
         # A second backup never goes over the first.
         code, _, stderr = await _cli("backup", "--admin", a.admin_url, "--out", str(out), env=token)
         assert code == 2 and "not an empty folder" in stderr
@@ -130,6 +135,8 @@ async def test_a_backup_under_writes_restored_onto_a_wiped_node_converges_withou
         for database in (DATABASE, OTHER, LATER):
             await cluster.wait_converged(database, timeout=60)
         await assert_identical(cluster, [DATABASE, OTHER, LATER])
+        # The blob came back with the backup, not from a peer (the ledger reads it on a below).
+        assert (a.dir / "data" / precious["blobs"][0]["path"]).is_file()
         for book in (ledger, other, later):
             await book.check()
         assert a.events("foreign_origin_refused") == []
