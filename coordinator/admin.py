@@ -1,6 +1,8 @@
 """Admin HTTP, served by the coordinator (plain HTTP, loopback by default).
 
 GET /metrics /healthz /readyz /status /nodes /digest/{database}
+GET /backup /backup/{database} /backup/{database}/blobs[/{sha256}]   what `replicator backup` copies
+    (`coordinator.admin_backup`)
 GET /ca   the cluster CA certificates this node trusts (tls.ca), PEM, so that a new node can check it was issued by
     the same CA before it joins (`replicator clone`); certificates only, never a key
 PUT /nodes/{name} {"url", "databases", "replicates"[, "leader"]}: an introduction of another node, signed by this
@@ -34,6 +36,7 @@ from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
 
 from replicator.coordinator.admin_access import MAX_CONNECTIONS, AdminAccess
+from replicator.coordinator.admin_backup import BackupEndpoints
 from replicator.coordinator.admin_site import CappedSite
 from replicator.coordinator.blob_repairs import NoWorker, WorkerExited
 from replicator.coordinator.digest_tree import DigestTree
@@ -118,6 +121,7 @@ class AdminServer:
         app.router.add_post("/pairs/{peer}/{database}/reset", self.reset_pair)
         # Read-only, for `replicator diff`: a table's digest tree and rows (coordinator.digest_tree).
         app.router.add_routes(DigestTree(node).routes())
+        BackupEndpoints(node).add_routes(app)
         self._app = app
 
     async def start(self) -> None:

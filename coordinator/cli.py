@@ -117,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
             "      --data /var/lib/replicator/a --ca ca --config /etc/replicator/a.toml --peer b=wss://10.0.0.2:9925\n"
             "  replicator run --config /etc/replicator/a.toml\n"
             "  replicator status --check\n"
+            "  replicator backup --admin http://127.0.0.1:9926 --out /srv/backups/a-1\n"
             "  replicator completion bash > /etc/bash_completion.d/replicator\n"
             "\n"
             "environment:\n"
@@ -421,6 +422,63 @@ def build_parser() -> argparse.ArgumentParser:
     repair_blobs.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait for the repair to finish")
     _token_config(repair_blobs)
 
+    backup = commands.add_parser(
+        "backup",
+        help="copy every database of a running node into a new folder (over its admin port)",
+        description="Copy every database of a running node, each as of one commit (SQLite's online backup, taken "
+        "while the node serves writes), with its per-origin positions and its blob files, into a new or empty "
+        "folder; DIR/manifest.json (node, time, versions, databases, positions, size and sha256 of each file) is "
+        "written last, so a backup cut short is never taken for a whole one. One progress line per database on "
+        "stderr. It may run on another machine than the node. Exit 0 when the backup is whole, 1 when the node "
+        "cannot be reached or a copy failed, 2 on a usage error (an --out that is not an empty folder).",
+        epilog=_epilog(
+            "replicator backup --admin http://127.0.0.1:9926 --out /srv/backups/a-$(date +%F)",
+            "replicator backup --admin http://10.0.0.1:9926 --config /etc/replicator/a.toml --out b1 --json",
+        ),
+    )
+    backup.add_argument(
+        "--admin",
+        required=not admins,
+        default=admins[0] if admins else None,
+        help=f"the node's admin URL, e.g. {DEFAULT_ADMIN} {admin_help}",
+    )
+    _complete(
+        backup.add_argument("--out", required=True, help="a new or empty folder to write the backup into"),
+        DIRECTORY,
+    )
+    backup.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
+    backup.add_argument(
+        "--timeout", type=float, default=3600.0, help="seconds a read from the node may take before it fails"
+    )
+    _token_config(backup)
+
+    restore = commands.add_parser(
+        "restore",
+        help="put a backup in place of a stopped node's data directory",
+        description="Put a backup made by `replicator backup` in place of the data directory of the stopped node "
+        "of --config: check the manifest and every file's sha256, refuse a backup older than "
+        "replication.tombstone_retention (less max_clock_skew: deleted records would come back) unless --force, "
+        "move whatever the data directory holds aside to DATA_DIR.before-restore-TIME (never deleted), and put the "
+        "files in place marked as restored. Started, the node counts its own writes complete only as far as the "
+        "backup held them, takes everything newer back from its peers, and never reasserts an older value over a "
+        "newer one. Exit 0 when done, 1 when the backup is damaged or a file cannot be written, 2 when refused (a "
+        "node runs on the data directory, a backup of another node, too old, not a backup).",
+        epilog=_epilog(
+            "systemctl stop replicator@a",
+            "replicator restore --from /srv/backups/a-2024-05-01 --config /etc/replicator/a.toml",
+            "systemctl start replicator@a",
+        ),
+    )
+    _complete(restore.add_argument("--from", dest="source", required=True, help="the backup folder"), DIRECTORY)
+    _complete(restore.add_argument("--config", required=True, help="the config file of the node to restore"), FILE)
+    restore.add_argument(
+        "--force",
+        action="store_true",
+        help="restore a backup older than replication.tombstone_retention: records deleted since it was taken may "
+        "come back, to be deleted again",
+    )
+    restore.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
+
     completion = commands.add_parser(
         "completion",
         help="print the shell completion script (bash or zsh)",
@@ -506,6 +564,19 @@ def main(argv: list[str] | None = None) -> int:
             if (token := _admin_token(args)) is None:
                 return EXIT_USAGE
             return _asyncio_run(cmd_repair_blobs(args.admin, args.database, args.json, args.timeout, token))
+        case "backup":
+            from replicator.coordinator.backup import cmd_backup
+
+            if not 0 < args.timeout <= 86400:
+                print("replicator backup: --timeout must be seconds in (0, 86400]", file=sys.stderr)
+                return EXIT_USAGE
+            if (token := _admin_token(args)) is None:
+                return EXIT_USAGE
+            return _asyncio_run(cmd_backup(args.admin, args.out, as_json=args.json, token=token, timeout=args.timeout))
+        case "restore":
+            from replicator.coordinator.restore import cmd_restore
+
+            return cmd_restore(args.source, args.config, force=args.force, as_json=args.json)
         case "clone":
             from replicator.coordinator.clone import cmd_clone
 

@@ -392,7 +392,11 @@ class LocalCluster:
     @property
     def http(self) -> aiohttp.ClientSession:
         if self._http is None or self._http.closed:
-            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
+            # A TLS connection whose server closed it mid-request (a 413 while the body is still on its way) may
+            # never finish its TLS shutdown, and asyncio would leave its socket to the garbage collector: the
+            # connector aborts such transports at close (`enable_cleanup_closed`).
+            connector = aiohttp.TCPConnector(enable_cleanup_closed=True)
+            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30), connector=connector)
         return self._http
 
     @property
@@ -409,6 +413,7 @@ class LocalCluster:
     async def close(self) -> None:
         if self._http is not None:
             await self._http.close()
+            await asyncio.sleep(0)  # the aborted transports close their sockets on the loop's next turn
 
     @property
     def admin_headers(self) -> dict[str, str]:

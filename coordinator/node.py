@@ -46,6 +46,7 @@ from replicator.shared import config as config_module
 from replicator.shared import membership, messages, revocation
 from replicator.shared.backoff import Backoff
 from replicator.shared.config import Config, ConfigError, PeerSection
+from replicator.shared.data_lock import DataDirInUse, DataLock
 from replicator.shared.keys import connection_key, normalize_url
 from replicator.shared.logs import LOGGED_NAMES, log
 from replicator.shared.memory import Trimmer
@@ -165,6 +166,7 @@ class Node:
         self._closing = False
         self._tasks: list[asyncio.Task[Any]] = []
         self._admin: AdminServer | None = None
+        self._data_lock: DataLock | None = None  # held from the boot on: no restore or second node on the directory
         # Time this process itself did not run is not time the workers were silent (the heartbeat watchdog).
         self.pauses = PauseMonitor(self.loop)
         # Idle databases' page caches and the allocator's free pages go back to the OS (shared.memory).
@@ -226,6 +228,10 @@ class Node:
             probe.unlink()
         except OSError as exc:
             raise BootError(f"data directory {directory} is not writable: {exc.strerror or exc}") from None
+        try:
+            self._data_lock = DataLock.take(directory)
+        except DataDirInUse as exc:
+            raise BootError(str(exc)) from None
         try:
             server_context(
                 config_module.resolve_path(config, config.tls.ca),
@@ -309,6 +315,8 @@ class Node:
             self.store.close()
         if self.doorbell is not None:
             self.doorbell.close()
+        if self._data_lock is not None:
+            self._data_lock.release()
 
     async def _await_ready(self) -> None:
         try:
@@ -380,6 +388,8 @@ class Node:
             self.store.close()
         if self.doorbell is not None:
             self.doorbell.close()
+        if self._data_lock is not None:
+            self._data_lock.release()  # the workers are gone: a restore may replace the files now
         log.info("node_stopped", code=self.exit_code)
 
     # -- own row and registry -----------------------------------------------------------------------------------

@@ -108,6 +108,9 @@ class AdminView(MetricsView, Protocol):
     def boot_error(self) -> str: ...
 
     @property
+    def wall(self) -> Callable[[], float]: ...
+
+    @property
     def metrics(self) -> RendersMetrics: ...
 
     @property

@@ -16,6 +16,10 @@ from another node): only peers can tell what that was, and while they have not a
                  confirm them until each peer has served it. A peer's claim on its origin moves the floor there.
     lost file    floor = the clock it starts at (the wall clock plus max_clock_skew, above every version the node
                  can have written before), recovering
+    restored     a file `replicator restore` put in place (meta `restored`): a lost file that kept its data. Its own
+                 origin counts complete as far as the backup held it (its top, unless the backup was recovering);
+                 everything above comes back from peers, and nothing of its own at or below the floor is ever
+                 taken for a write it never made (`may_have_written`: maybe), so no older value is reasserted
     regressed    a peer holds own writes complete above what the file accounts for, or below its birth: recovering,
                  the floor there; what a new file wrote since its birth below that is written again above it
                  (`this_life`), or no stream would carry it to the peers that count the node complete past it
@@ -112,6 +116,36 @@ def read(conn: sqlite3.Connection, node: str) -> OwnHistory:
 NEW = "new"
 UNKNOWN = "unknown"
 LOST = "lost"
+# The meta key `replicator restore` sets in every file it puts in place (the backup's time, seconds since the epoch);
+# the first process that opens the file judges it (`restore`) and removes the mark in the same transaction.
+RESTORED = "restored"
+
+
+def mark_restored(conn: sqlite3.Connection, taken_at: float) -> None:
+    """Inside a write transaction, on a file copied out of a backup: the node opens it as restored (`restore`)."""
+    _set(conn, RESTORED, taken_at)
+
+
+def restored(conn: sqlite3.Connection) -> bool:
+    return _meta(conn, RESTORED) is not None
+
+
+def restore(conn: sqlite3.Connection, node: str, *, clock_floor: int) -> None:
+    """Inside the transaction that first opens a file marked by `mark_restored`: it starts as a lost file that kept
+    its data (see the module docstring). The backup held every own write up to its top unless it was itself
+    recovering (then only what peers had confirmed): the own origin counts complete that far and no further. The
+    clock and the floor move to `clock_floor` (the wall clock plus max_clock_skew, above every version the node can
+    have written before): every own write the node made after the backup is at or below the floor, so the
+    subscriptions ask peers for it and anti-entropy takes a peer's newer own version for one the node may have
+    written, never reasserting the backup's older one over it. An unknown file's birth and writes again are
+    dropped: written again, the backup's old versions would beat the newer ones peers hold."""
+    before = read(conn, node)
+    if not before.recovering and before.top > before.confirmed:
+        conn.execute("UPDATE origins SET complete = ? WHERE origin = ?", (before.top, node))
+    conn.execute("DELETE FROM meta WHERE key IN ('born', ?)", (RESTORED,))
+    for prefix in (_REWRITE, _REWRITTEN):
+        conn.execute("DELETE FROM meta WHERE substr(key, 1, ?) = ?", (len(prefix), prefix))
+    begin(conn, history=LOST, clock_floor=clock_floor)
 
 
 def begin(conn: sqlite3.Connection, *, history: str, clock_floor: int, born: int = 0) -> None:

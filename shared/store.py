@@ -386,13 +386,18 @@ def _settled(conn: sqlite3.Connection, node: str) -> str | None:
     if not names.issuperset(_TRIGGERS):
         return None  # someone dropped a trigger: recreate it, and rebuild the digests it would have kept
     epoch = _meta(conn, "epoch")
-    if epoch is None or _meta(conn, "owner") != node:
+    if epoch is None or _meta(conn, "owner") != node or own_writes.restored(conn):
         return None
     return str(epoch)
 
 
 def _initialize(
-    conn: sqlite3.Connection, node: str, clock_floor_us: int = 0, history: str = own_writes.LOST, born_us: int = 0
+    conn: sqlite3.Connection,
+    node: str,
+    clock_floor_us: int = 0,
+    history: str = own_writes.LOST,
+    born_us: int = 0,
+    wall_us: int = 0,
 ) -> str:
     """Give the file the schema, identity and owner it lacks; returns the epoch.
 
@@ -407,7 +412,8 @@ def _initialize(
     A recovering file's clock starts at `clock_floor_us`, the wall clock plus max_clock_skew: every version
     this node wrote before it lost the file was at most that far ahead, so the writes it makes now are above
     anything a peer holds of it, and peers that count the node complete up to an old version still take them.
-    A new name has nothing before it: its clock is the wall clock.
+    A new name has nothing before it: its clock is the wall clock. A file `replicator restore` put in place is judged
+    once, by `own_writes.restore`, its floor at least the wall clock `wall_us` whatever the lead.
     """
     epoch = _settled(conn, node)
     if epoch is not None:
@@ -439,6 +445,8 @@ def _initialize(
                 row = conn.execute("SELECT top FROM origins WHERE origin = ?", (owner,)).fetchone()
                 conn.execute(_RAISE_COMPLETE, (owner, int(row[0]) if row is not None else 0))
             own_writes.begin(conn, history=own_writes.LOST, clock_floor=clock_floor_us)
+        elif own_writes.restored(conn):
+            own_writes.restore(conn, node, clock_floor=max(clock_floor_us, wall_us))
         conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('owner', ?)", (node,))
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         epoch = str(_meta(conn, "epoch"))
@@ -568,6 +576,20 @@ def _build_file(
             Path(f"{spare}{suffix}").unlink(missing_ok=True)
 
 
+def mark_restored(path: Path, taken_at: float) -> None:
+    """Mark a database file copied out of a backup, not yet in place, so that the node opens it as restored
+    (`shared.own_writes.restore`); `taken_at` is the backup's time. Also puts it in WAL mode: the processes of the
+    node that open it first must not race to switch it (`_build_file`)."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("PRAGMA journal_mode = WAL").fetchone()
+        conn.execute("BEGIN IMMEDIATE")
+        own_writes.mark_restored(conn, taken_at)
+        conn.execute("COMMIT")
+    finally:
+        conn.close()  # the only connection: the WAL is checkpointed into the file and removed
+
+
 def _clear_statements(conn: sqlite3.Connection) -> None:
     """Drop the statements the connection keeps prepared (`cached_statements`, 128 by default): several KiB each,
     kept until the connection closes. The sqlite3 module offers no call for it; its cache is the functools LRU the
@@ -659,7 +681,7 @@ class Database:
             # a power loss can lose the last commits, and then a batch and its cursor are lost together.
             self._conn.execute(f"PRAGMA synchronous = {synchronous}")
             self._conn.execute("PRAGMA temp_store = MEMORY")
-            self.epoch: str = _initialize(self._conn, node, _clock_floor(clock, clock_lead))
+            self.epoch: str = _initialize(self._conn, node, _clock_floor(clock, clock_lead), wall_us=clock() // 1000)
             self._seen_data_version = self._conn.execute("PRAGMA data_version").fetchone()[0]
         except BaseException:
             self._conn.close()
