@@ -201,8 +201,11 @@ class Ledger:
                     continue
                 for op in ops:
                     if deletion.floors.covers(op.node, op.version) and op.at > deletion.at and not op.lost:
-                        if all(_holds(node.rows(name).get((table, record_id)), op) for node in cluster):
-                            continue  # written again above the floors, or superseded, on every node
+                        rows = [node.rows(name).get((table, record_id)) for node in cluster]
+                        if all(_holds(row, op) or (row is None and _deleted_since(ops, op)) for row in rows):
+                            # Written again above the floors or superseded, on every node; or deleted since by a
+                            # delete of its own that the floors took with its tombstone: absent is what it left.
+                            continue
                         problems.append(
                             f"the deletion of {name} by {deletion.node} at {deletion.at} covers"
                             f" {table}/{record_id}@{op.version}, acknowledged later at {op.at}"
@@ -248,6 +251,13 @@ class Ledger:
 def _holds(row: tuple[int, str, bool] | None, op: Op) -> bool:
     """Does a node's row reflect `op`: the same version of the record, or a newer one?"""
     return row is not None and (row[0], row[1]) >= (op.version, op.node)
+
+
+def _deleted_since(ops: list[Op], op: Op) -> bool:
+    """Is `op` a delete, or was it followed by an acknowledged delete of the record (one not lost)?"""
+    return any(
+        later.value is None and not later.lost and (later.version, later.node) >= (op.version, op.node) for later in ops
+    )
 
 
 def _superseded_elsewhere(ops: list[Op], op: Op, complete: dict[str, int]) -> bool:

@@ -31,7 +31,9 @@ CI_SEEDS = 240
 #   871   (the checker) a relay's mark covered a write through a newer version that was then lost with its file
 #   1155  (the checker) a wiped node's own files counted as keeping a deletion's floors
 #   2211  (the checker) a deletion's marker kept only by another node, lost with that node's system database
-FOUND = [12, 311, 335, 511, 586, 713, 871, 1051, 1155, 1191, 1636, 2211, 2792]
+#   9609  (the checker) a write acknowledged after a deletion, then deleted by its own node: both under the
+#         deletion's floors (a wiped node's clock 23 s back), the record rightly absent everywhere
+FOUND = [12, 311, 335, 511, 586, 713, 871, 1051, 1155, 1191, 1636, 2211, 2792, 9609]
 # Nemesis 2 (registry rows refused by a half-rotated CA bundle, silent sessions and the stall check):
 #   108   two neighbours on a line lost a file; one ended its recovery on the word of the other, which recovered too,
 #         and the purge rule then took the last copy of its write for a purged delete
