@@ -3,7 +3,9 @@
 A `Ledger` writes through the data API and remembers every acknowledged write and delete with its version. The
 check then asks every node for every record: an acknowledged write must be there at its version with its value, or
 superseded by a higher version; an acknowledged delete must have left the record absent, or superseded by a higher
-version (a later write). Nothing acknowledged may be lost, and no delete undone.
+version (a later write). Nothing acknowledged may be lost, and no delete undone. A ledger that sees `every_write`
+takes a higher version for a write again, which must hold what the acknowledged operation left: an older value
+reasserted above it is a lost write, a record live above its delete a delete undone.
 """
 
 from __future__ import annotations
@@ -27,6 +29,10 @@ class Ledger:
     table: str = "t"
     # Per record id, the newest acknowledged operation (a later one supersedes an earlier one on the same record).
     acked: dict[str, Acknowledged] = field(default_factory=dict)
+    # Every write to the database goes through this ledger (or `note`): a version above the newest acknowledged one
+    # is then one a node wrote again (`own_writes.this_life`, `Database.reassert`), and must hold what that
+    # operation left (its value; a delete stays deleted). Without it, a higher version is taken for a later write.
+    every_write: bool = False
 
     async def put(self, node: str, record_id: str, value: Any) -> int:
         status, body = await self.cluster.data(node, "PUT", f"/data/{self.database}/{self.table}/{record_id}", value)
@@ -69,6 +75,12 @@ class Ledger:
                     )
                 elif body["version"] == ack.version and body["value"] != ack.value:
                     found.append(f"{name}: {record_id} at {ack.version} holds {body['value']!r}, not {ack.value!r}")
+                elif self.every_write and body["version"] > ack.version and body["value"] != ack.value:
+                    what = "deleted" if ack.value is None else f"written {ack.value!r}"
+                    found.append(
+                        f"{name}: {record_id} {what} at {ack.version}, written again as {body['value']!r} at"
+                        f" {body['version']} (no client wrote it)"
+                    )
         return found
 
     async def check(self, names: list[str] | None = None) -> None:

@@ -15,7 +15,8 @@ Checks (a violation is a string naming the node, the record and what is wrong):
     deletions      a database deletion covers only writes acknowledged before it was asked for (invariant 20)
     final          after healing, every node holds the newest acknowledged operation of every record that no fault
                    took, unless a deletion of the database covers it: a write at its version (or newer), a delete
-                   as absence (or something newer); nothing a deletion covers is left (invariants 17, 19, 20)
+                   as absence (or something newer); a version above it that no client was told of (written again)
+                   holds its value (a delete: a tombstone); nothing a deletion covers is left (invariants 17, 19, 20)
 """
 
 from __future__ import annotations
@@ -245,7 +246,41 @@ class Ledger:
                         f"{node.name}/{database}: {table}/{record_id} written at {newest.version} by {newest.node}"
                         f" is {'missing' if row is None else f'older: {row}'}"
                     )
+                if row is not None and (row[0], row[1]) > (newest.version, newest.node):
+                    # Two operations at one version: a wiped node whose clock met its earlier life's, say.
+                    tied = [op for op in live if (op.version, op.node) == (newest.version, newest.node)]
+                    problem = _written_above(node, database, table, record_id, row, ops, tied)
+                    if problem is not None:
+                        problems.append(problem)
         return problems
+
+
+def _written_above(
+    node: SimNode,
+    database: str,
+    table: str,
+    record_id: str,
+    row: tuple[int, str, bool],
+    ops: list[Op],
+    newest: list[Op],
+) -> str | None:
+    """A row above the record's newest acknowledged operation (`newest`: those at its version) that no client was
+    told of: written again by a node (`own_writes.this_life`, `Database.reassert`). It must say what the newest
+    operation said, or it replaced it with an older value (an acknowledged write lost, or a delete undone, at a
+    higher version)."""
+    if any((op.version, op.node) == (row[0], row[1]) for op in ops):
+        return None
+    held = None if row[2] else node.value(database, table, record_id)
+    if any(op.value == held for op in newest):
+        return None
+    op = newest[-1]
+    where = f"{node.name}/{database}: {table}/{record_id}"
+    if op.value is None:
+        return f"{where} deleted at {op.version} by {op.node} but written again live at {row[0]} (undone)"
+    return (
+        f"{where} written at {op.version} by {op.node}, replaced at {row[0]} by {row[1]} with"
+        f" {'a tombstone' if held is None else 'another value'} (the write lost)"
+    )
 
 
 def _holds(row: tuple[int, str, bool] | None, op: Op) -> bool:

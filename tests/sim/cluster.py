@@ -411,6 +411,21 @@ class SimNode:
                 return {}
         return held
 
+    def value(self, database: str, table: str, record_id: str) -> bytes | None:
+        """A record's value as the node holds it (None: absent or a tombstone), read behind the store's back."""
+        path = self.dir / f"{database}.sqlite"
+        if not path.exists():
+            return None
+        query = "SELECT CAST(value AS BLOB), tombstone FROM records WHERE tbl = ? AND id = ?"
+        if self.store is not None:
+            db = self.store.database(database)
+            with db._lock:
+                found = db._conn.execute(query, (table, record_id)).fetchone()
+        else:
+            with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
+                found = conn.execute(query, (table, record_id)).fetchone()
+        return None if found is None or found[1] else bytes(found[0])
+
     def rows(self, database: str) -> dict[tuple[str, str], tuple[int, str, bool]]:
         """Every row of the database's file as it stands, read behind the store's back (on its connection, when the
         node is up)."""

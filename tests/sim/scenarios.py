@@ -418,6 +418,58 @@ def an_unknown_file_restored_after_its_deletes() -> Outcome:
     return _run(script, nodes=2)
 
 
+def own_writes_newer_than_a_marked_restore() -> Outcome:
+    """A node's files backed up; it then updates two of its own records, deletes a third and writes a new one, and
+    its peers take them. Its data directory is replaced by the backup, marked as `replicator restore` marks it, and
+    it starts while both peers are down, and takes writes (one an update of another of its own records). The peers
+    come back. The marked files start recovering, their floor and clock past every version the node wrote before
+    (`own_writes.restore`): the peers serve the newer own writes back and a round takes them for ones the node may
+    have written. Restored without the mark, the file looks intact: its writes since the restore lift its top past
+    the peers' claims, so no regression is found, its subscriptions ask for none of its own writes, and a round
+    finds the peers' newer own versions between its oldest kept local write and its top with no local entry for
+    them: "never written", so it reasserts the backup's older values over them, and the streams carry them to every
+    node. With `own_writes.mark_restored` a no-op this scenario fails so: the checker's final check reports a0 and
+    a1 "replaced ... with another value (the write lost)" and a2 "written again live ... (undone)" on a, b and c,
+    and the positions check a's own origin complete past versions it lacks (n0 absent), with equal digests."""
+
+    def script(sim: Simulation) -> None:
+        loop = sim.cluster.loop
+        for i in range(4):
+            sim.put("a", "d0", f"a{i}", f"before the backup {i}")
+        sim.put("b", "d0", "b0", "b's")
+        sim.settle()
+        sim.stop("a")
+        sim._backup()
+        loop.advance(1.0)
+        sim.start("a")
+        sim.settle()
+        for record_id in ("a0", "a1"):
+            sim.put("a", "d0", record_id, "updated after the backup")
+        sim.delete("a", "d0", "a2")
+        sim.put("a", "d0", "n0", "new after the backup")
+        sim.settle()
+        for name in "abc":
+            sim.stop(name)
+        sim._restore(marked=True)
+        loop.advance(1.0)
+        sim.start("a")
+        sim.put("a", "d0", "a3", "updated after the restore")
+        sim.put("a", "d0", "n1", "new after the restore")
+        sim.settle()
+        a = sim.cluster.nodes["a"]
+        _expect(sim, "d0" in a.recoveries, "a's d0 is not recovering after the restore")
+        # Its clock starts max_clock_skew ahead: the peers take those versions once their own clocks have moved on.
+        loop.advance(5.0)
+        sim.start("b")
+        sim.start("c")
+        sim.settle()
+        sim.rounds()
+        sim.settle()
+        _expect(sim, "d0" not in a.recoveries, "a's d0 still recovering once b and c served it")
+
+    return _run(script)
+
+
 ALL: dict[str, Callable[[], Outcome]] = {
     "lost-own": lost_own_newest_write,
     "damaged-lagging": damaged_row_repaired_from_a_lagging_peer,
@@ -432,4 +484,5 @@ ALL: dict[str, Callable[[], Outcome]] = {
     "line-two-lost": two_neighbours_lost_on_a_line,
     "backup-own-writes": own_writes_newer_than_a_backup,
     "unknown-backup-deletes": an_unknown_file_restored_after_its_deletes,
+    "marked-restore": own_writes_newer_than_a_marked_restore,
 }

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from replicator.shared import dropped, membership
 from replicator.shared.logs import log
-from replicator.shared.store import SYSTEM, DamagedRecord, Database, DatabaseRemoving, UnknownDatabase
+from replicator.shared.store import SYSTEM, DamagedRecord, Database, DatabaseRemoving, UnknownDatabase, mark_restored
 from replicator.workers.dropped import DroppedDatabase
 from replicator.workers.session import ahead_of
 from tests.sim.checker import Deletion, Ledger, Op
@@ -89,7 +89,8 @@ class Simulation:
         self.ledger = Ledger()
         self.step = 0
         self.faults = 0
-        self.backups: dict[str, tuple[Path, int]] = {}  # node -> (copy of its data directory, step it was taken)
+        # node -> (copy of its data directory, step it was taken, the node's wall clock then)
+        self.backups: dict[str, tuple[Path, int, float]] = {}
         # Rows the nemesis damaged: (node, database, table, id, version, origin), until the node holds another row.
         self.damaged: set[tuple[str, str, str, str, int, str]] = set()
         self.violations: list[str] = []
@@ -129,7 +130,7 @@ class Simulation:
             self._check_digests()
         finally:
             cluster.close()
-            for copy, _ in self.backups.values():
+            for copy, _, _ in self.backups.values():
                 shutil.rmtree(copy, ignore_errors=True)
         writes = sum(len(ops) for ops in self.ledger.ops.values())
         return Outcome(self.seed, self.violations, self.step, writes, self.faults, cluster.log)
@@ -596,11 +597,14 @@ class Simulation:
         node = self.rng.choice(down)
         copy = self.root.parent / f"{self.root.name}-backup-{node.name}"
         shutil.copytree(node.dir, copy)
-        self.backups[node.name] = (copy, self.step)
+        self.backups[node.name] = (copy, self.step, node.wall())
         self.cluster.trace(f"{node.name} backed up")
         return True
 
-    def _restore(self) -> bool:
+    def _restore(self, marked: bool = False) -> bool:
+        """A stopped node's data directory replaced by its backup: copied back as it was, or `marked` as `replicator
+        restore` marks every file it puts in place (`store.mark_restored`), which the node then opens as restored
+        (`shared.own_writes.restore`)."""
         down = [
             node
             for node in self.cluster
@@ -609,14 +613,17 @@ class Simulation:
         if not down:
             return False
         node = self.rng.choice(down)
-        copy, taken = self.backups.pop(node.name)
+        copy, taken, taken_at = self.backups.pop(node.name)
         for path in node.dir.glob("*.sqlite") if node.dir.exists() else []:
             self.ledger.lose_unreplicated(self.cluster, node, path.name[: -len(".sqlite")], since=taken)
         shutil.rmtree(node.dir, ignore_errors=True)
         shutil.move(copy, node.dir)
+        if marked:
+            for path in sorted(node.dir.glob("*.sqlite")):
+                mark_restored(path, taken_at)
         self.ledger.lose_markers(self.cluster, node, restored=True)
         self.ledger.restored(self.cluster, node)
-        self.cluster.trace(f"{node.name} restored from its backup of step {taken}")
+        self.cluster.trace(f"{node.name} restored from its backup of step {taken}{', marked' if marked else ''}")
         return True
 
     # -- healing and the checks -----------------------------------------------------------------------------------
