@@ -21,8 +21,9 @@ from another node): only peers can tell what that was, and while they have not a
                  everything above comes back from peers, and nothing of its own at or below the floor is ever
                  taken for a write it never made (`may_have_written`: maybe), so no older value is reasserted
     regressed    a peer holds own writes complete above what the file accounts for, or below its birth: recovering,
-                 the floor there; what a new file wrote since its birth below that is written again above it
-                 (`this_life`), or no stream would carry it to the peers that count the node complete past it
+                 the floor there; if the claim shows an earlier life (`OwnHistory.earlier_life`), what a new file
+                 wrote since its birth below it is written again above it (`this_life`), or no stream would carry it
+                 to the peers that count the node complete past it
 
 Every judgement of "may this node have written this version?" is made here, from what the node knows it wrote
 itself, never from history that pruning or applied rows change:
@@ -84,6 +85,16 @@ class OwnHistory(msgspec.Struct, frozen=True):
         if claimed <= self.floor:
             return False
         return self.recovering or claimed > self.top or claimed < self.born
+
+    def earlier_life(self, claimed: int) -> bool:
+        """A peer holds this node's own writes complete up to `claimed`: does that show an earlier life of an unknown
+        file whose versions reach past the writes it made since its birth (its clock started below them)? Only a
+        claim above every own version the file holds does. Up to its top, the peer may have got all it holds of this
+        origin from this file (every peer counts a new cluster's files complete as their streams serve them): its
+        writes since birth would be written again for nothing, and above versions other nodes wrote since, which
+        this file may not have yet. The versions of an earlier life that a peer serves back inside that range are
+        found one by one (`Database._earlier_life`)."""
+        return self.unknown and claimed > self.top
 
     def behind_deletion(self, floor: int) -> bool:
         """A deletion covers this node's own writes up to `floor`: does that reach past everything the file wrote

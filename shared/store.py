@@ -1194,7 +1194,9 @@ class Database:
                 return False
             if claimed > self._clock_value(conn):
                 self._set_clock(conn, claimed)
-            if peer is not None and before.unknown and not by_deletion:
+            if not by_deletion and not before.earlier_life(claimed):
+                pass  # the peer got what it holds of ours from this file: nothing to write again
+            elif peer is not None and not by_deletion:
                 own_writes.defer_rewrite(conn, peer, claimed)
             else:
                 # A deletion's drop would take them at their old versions: written again before it is applied.

@@ -181,6 +181,26 @@ def test_writes_again_wait_for_the_claiming_peer_to_serve_and_its_newer_own_vers
     assert [key for key in _meta_keys(db) if key.startswith(("rewrite", "rewritten"))] == []
 
 
+def test_a_claim_that_this_life_explains_writes_nothing_again(node: Store) -> None:
+    """An unknown file (a new cluster's first files are all unknown) whose peer counts it complete up to its own
+    newest write got that from this file: nothing is written again, not even once the recovery ends, since the old
+    value would beat a newer write of another node that has not reached this one yet (sim seeds 12695, 16894)."""
+    db = node.database("d", create=True)  # unknown
+    old = db.put("t", "r", b"old")
+    newest = db.put("t", "s", b"s")
+    assert db.own_history().unknown
+    db.regress(newest, peer="b")  # b holds everything this file wrote
+    assert db.served("b", asked=2**63 - 1) == 0
+    db.finish_recovery()
+    assert db.fetch("t", ["r"])[0][0].version == old
+    # Above every own version the file holds, a claim shows an earlier life: what lies below it is written again.
+    later = node.database("e", create=True)
+    mine = later.put("t", "r", b"mine")
+    assert later.regress(mine + 1_000, peer="b")
+    assert later.served("b", asked=2**63 - 1) == 1
+    assert later.fetch("t", ["r"])[0][0].version > mine + 1_000
+
+
 def _meta_keys(db: Database) -> list[str]:
     with db._lock:
         return [row[0] for row in db._conn.execute("SELECT key FROM meta")]
