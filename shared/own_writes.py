@@ -58,7 +58,7 @@ class OwnHistory(msgspec.Struct, frozen=True):
     recovering: bool  # the own writes at or below the floor are not known to be held yet
     top: int  # the newest own version the file holds
     confirmed: int  # what peers have confirmed of the own origin (the stored complete)
-    born: int = 0  # a new (or unknown) file's clock at its birth: its own writes since are all above it (0: neither)
+    born: int = 0  # a new (or unknown) file's clock at its birth: its own writes since are at or above it (0: neither)
 
     @property
     def complete(self) -> int:
@@ -84,7 +84,10 @@ class OwnHistory(msgspec.Struct, frozen=True):
         (or any, while recovering), or one below a new file's birth: the node wrote before this file began."""
         if claimed <= self.floor:
             return False
-        return self.recovering or claimed > self.top or claimed < self.born
+        # A position need not be a version the node wrote: a peer that refused a row holds its position just below
+        # it (`workers.session.refuse_registry_rows`). The file's first write can be at its birth, so born - 1 is
+        # a claim of this life; only one below that shows a write from before the file began.
+        return self.recovering or claimed > self.top or claimed < self.born - 1
 
     def earlier_life(self, claimed: int) -> bool:
         """A peer holds this node's own writes complete up to `claimed`: does that show an earlier life of an unknown

@@ -112,6 +112,24 @@ def test_a_claim_above_or_below_a_new_files_life_regresses_it(node: Store, clock
     assert not db.regress(mine)  # below the floor
 
 
+def test_a_peer_holding_its_position_just_below_the_files_first_write_is_no_earlier_life(
+    node: Store, clock: FakeClock
+) -> None:
+    """A peer that refused the node's first write (its registry row, signed under a CA missing from the peer's
+    bundle) holds its position just below it (`refuse_registry_rows`). Made at the file's birth, that is born - 1:
+    a claim of this life, and the intact file goes on as it is (seed 17030: it went back to recovering, took its own
+    history for unknown and wrote its row again above the refusing peer's position)."""
+    system = _intact_system(node)
+    mine = system.put("nodes", "a", b"row")
+    history = system.own_history()
+    assert mine == history.born == clock.us and not history.recovering
+    assert not system.regress(mine - 1, peer="c")
+    assert system.own_history() == history and system.clock_version == mine
+    # One below that no write of this life explains: the node wrote before the file began.
+    assert system.regress(mine - 2, peer="c")
+    assert system.own_history().recovering and system.own_history().floor == mine - 2
+
+
 def test_a_new_files_writes_below_an_earlier_lifes_version_are_written_again_above_it(
     node: Store, clock: FakeClock
 ) -> None:
