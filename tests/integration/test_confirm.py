@@ -153,6 +153,7 @@ async def test_reads_after_a_token_never_see_an_older_state_under_concurrent_wri
         await _put(cluster, ledger, "a", "counter", {"n": 0}, f"confirm=all&{PATIENT}")
         latest: dict[str, Any] = {"n": 0, "token": ""}
         reading = asyncio.Event()
+        first = asyncio.Event()  # the writer holds a token
 
         async def writer() -> None:
             n = 0
@@ -161,16 +162,15 @@ async def test_reads_after_a_token_never_see_an_older_state_under_concurrent_wri
                 status, body, headers = await _put(cluster, ledger, "a", "counter", {"n": n}, "")
                 assert status == 200, body
                 latest.update(n=n, token=headers["X-Replicator-Token"])
+                first.set()
 
         reads = 0
         writing = asyncio.create_task(writer())
         try:
+            await asyncio.wait([writing, asyncio.create_task(first.wait())], return_when=asyncio.FIRST_COMPLETED)
             while reads < 300:  # every read taken while a writes on
                 assert not writing.done(), writing
                 seen, token = latest["n"], latest["token"]
-                if not token:
-                    await asyncio.sleep(0.01)
-                    continue
                 status, body = await _read(cluster, ("b", "c")[reads % 2], "counter", token)
                 assert status == 200, body
                 assert body["value"]["n"] >= seen, (seen, body)

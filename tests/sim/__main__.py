@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     group.add_argument("--scenario", help="run one scripted scenario (tests.sim.scenarios), or 'all'")
     parser.add_argument("--start", type=int, default=0, help="the first seed of --seeds")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes for --seeds")
-    parser.add_argument("--nemesis", type=int, default=NEMESIS, choices=(1, 2), help="the faults drawn (simulation)")
+    parser.add_argument("--nemesis", type=int, default=NEMESIS, choices=(1, 2, 3), help="the faults drawn (simulation)")
     args = parser.parse_args(argv)
     if args.seed is not None:
         outcome = run_seed(args.seed, nemesis=args.nemesis)

@@ -11,12 +11,14 @@ or is restored from an older backup of itself, links go down and up (one directi
 damaged behind the store's back, clocks move within max_clock_skew, databases are deleted cluster-wide, retention
 prunes and purges; since nemesis 2 (`NEMESIS`), a node's CA bundle lacks a peer's CA for a while (the peer's registry
 rows do not verify there), a node signs its registry row again, and a session goes silent while it stays up (the
-sender serves nothing: the renewal a worker never did), which only the stall check can end. Everything is drawn from
+sender serves nothing: the renewal a worker never did), which only the stall check can end; since nemesis 3, a
+backup is also put back as `replicator restore` does (each file marked restored). Everything is drawn from
 `random.Random(seed)`: the same seed and nemesis is the same run.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 import shutil
 import tempfile
@@ -35,8 +37,8 @@ from tests.sim.cluster import Cluster, Pair, SessionEnded, Settings, SimNode, en
 HEAL_ROUNDS = 12  # rounds after healing within which every node must hold the same data
 # The nemesis a run draws from. 1: as the simulation was first built (the seeds it found replay their bug with it);
 # 2: adds registry rows refused by a half-rotated CA bundle, registry rows signed again, and silent sessions, with
-# the stall check that ends them.
-NEMESIS = 2
+# the stall check that ends them; 3: adds backups put back as `replicator restore` does (marked restored).
+NEMESIS = 3
 PUMP_LIMIT = 400  # batches per session per healing round
 
 
@@ -383,6 +385,9 @@ class Simulation:
                 ("silence", self._silence),
             ]
             weights += [2, 2, 2, 2]
+        if self.nemesis >= 3:
+            kinds.append(("restore marked", functools.partial(self._restore, marked=True)))  # `replicator restore`
+            weights.append(2)
         name, fault = rng.choices(kinds, weights=weights)[0]
         if fault():
             self.faults += 1
