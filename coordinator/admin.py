@@ -237,6 +237,9 @@ class AdminServer:
             problem = await self._write_probe.problem()
             if problem is not None:
                 reasons.append(problem)
+        if not request.get(AUTHORIZED):
+            # Answered without the token (a container runtime's probe): then it says only whether the node is ready.
+            return _reply({"ready": not reasons}, 503 if reasons else 200)
         if not reasons:
             return _reply({"ready": True, "workers": len(supervisor.live())})
         return _reply(

@@ -12,8 +12,8 @@ open. Three rules, each closing a way in, checked in this order before any handl
 - `Origin`, when a browser sends one, must name the admin address by the same rule (its port defaulting to the
   scheme's): a cross-site request is refused (403) before it does anything.
 - With `listen.admin_token` set, `Authorization: Bearer <token>`, compared in constant time (401 otherwise, with
-  `WWW-Authenticate: Bearer`). Only `GET /healthz` (and its HEAD) is answered without it, and it then says only
-  that the loop runs.
+  `WWW-Authenticate: Bearer`). Only `GET /healthz` and `GET /readyz` (and their HEAD) are answered without it,
+  for the probes of a container runtime, and they then say only that the loop runs and whether the node is ready.
 - A request that changes state (PUT, POST, DELETE, PATCH) must say `Content-Type: application/json` (415
   otherwise), with or without a body: what a cross-site form or a `no-cors` fetch can send without a CORS preflight
   is text/plain, a form encoding or no type at all.
@@ -40,7 +40,7 @@ REASONS = (HOST, ORIGIN, TOKEN, CONTENT_TYPE, MAX_CONNECTIONS)
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 WILDCARDS = frozenset({"", "0.0.0.0", "::"})
 STATE_CHANGING = frozenset({"PUT", "POST", "DELETE", "PATCH"})
-OPEN_PATHS = frozenset({"/healthz"})  # answered without the token, to GET and HEAD
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})  # answered without the token (status only), to GET and HEAD
 DEFAULT_PORTS = {"http": 80, "https": 443}
 JSON = "application/json"
 

@@ -55,14 +55,14 @@ async def _with_records(cluster: LocalCluster) -> dict[str, Any]:
     return digests
 
 
-async def test_every_admin_request_but_healthz_needs_the_token(make_cluster: Callable[..., LocalCluster]) -> None:
+async def test_every_admin_request_but_the_probes_needs_the_token(make_cluster: Callable[..., LocalCluster]) -> None:
     cluster = make_cluster(["a"], workers=1)
     cluster.start()
     node = cluster["a"]
     try:
         await cluster.wait_ready()
         right = node.admin_headers
-        for path in ("/status", "/metrics", "/readyz", "/nodes", "/digest/system", "/ca", "/nosuch"):
+        for path in ("/status", "/metrics", "/nodes", "/digest/system", "/ca", "/nosuch"):
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": right["Authorization"] + "x"}):
                 status, body, answer_headers = await _get(node, path, headers)
                 assert status == 401, (path, headers, status, body)
@@ -74,6 +74,10 @@ async def test_every_admin_request_but_healthz_needs_the_token(make_cluster: Cal
         # A liveness probe without the token: it says the loop runs, and nothing else.
         assert (await _get(node, "/healthz"))[:2] == (200, {"status": "ok"})
         assert (await _get(node, "/healthz", right))[:2] == (200, {"status": "ok", "node": "a"})
+        # A readiness probe without the token (or with a wrong one): whether the node is ready, and nothing else.
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            assert (await _get(node, "/readyz", headers))[:2] == (200, {"ready": True})
+        assert (await _get(node, "/readyz", right))[:2] == (200, {"ready": True, "workers": 1})
         status, body = await _request(node, "DELETE", "/databases/system", {"Content-Type": "application/json"})
         assert status == 401, body
         assert await _refused(cluster, "token") >= 22

@@ -210,14 +210,15 @@ def test_json_changes_and_any_read_pass(content_type: str) -> None:
         assert AdminAccess.content_type_refusal(method, None) is None
 
 
-def test_only_get_healthz_is_open_without_the_token() -> None:
+def test_only_the_probes_are_open_without_the_token() -> None:
     access = loopback()
     host = f"127.0.0.1:{PORT}"
-    assert access.refusal("GET", "/healthz", host, None, None, None) is None
-    assert access.refusal("HEAD", "/healthz", host, None, None, None) is None
+    for path in ("/healthz", "/readyz"):
+        assert access.refusal("GET", path, host, None, None, None) is None
+        assert access.refusal("HEAD", path, host, None, None, None) is None
     for method, path in [
         ("GET", "/metrics"),
-        ("GET", "/readyz"),
+        ("POST", "/readyz"),
         ("GET", "/status"),
         ("GET", "/nosuch"),
         ("POST", "/healthz"),
