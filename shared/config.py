@@ -58,8 +58,8 @@ class ListenSection(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     port: int = 9925
     admin_host: str = "127.0.0.1"
     admin_port: int = 9926
-    # Every admin request but GET /healthz and /readyz must carry `Authorization: Bearer <admin_token>` when it is set; required
-    # when admin_host is not loopback (coordinator.admin_access).
+    # Every admin request but GET /healthz and /readyz must carry `Authorization: Bearer <admin_token>` when it is
+    # set; required when admin_host is not loopback (coordinator.admin_access).
     admin_token: str = ""
     # Host names, besides admin_host, that admin requests may name in their Host (and Origin) header, on any port: a
     # DNS name the admin port is reached by, or a reverse proxy's. Any other name is refused (DNS rebinding).
