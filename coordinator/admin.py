@@ -505,6 +505,8 @@ def status_document(node: AdminView) -> dict[str, Any]:
                     "peer_head_seq": pair.peer_head_seq,
                     "lag_seconds": pair.lag_seconds,
                     "last_error": pair.last_error or None,
+                    # The protocol version the pair's latest session speaks (None until one connected).
+                    "protocol": pair.protocol or None,
                     "applied": pair.applied,
                     "caught_up": pair.caught_up,
                     # Origins the peer holds complete beyond this node, with this node's position for each; with
@@ -558,6 +560,7 @@ def status_document(node: AdminView) -> dict[str, Any]:
                 "caught_up": state.caught_up,
                 "blocked": state.blocked,
                 "exclude": state.exclude,
+                "protocol": state.protocol or None,
                 "error": state.error or None,
             }
             for _, state in sorted(node.sending.items())

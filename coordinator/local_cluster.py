@@ -140,6 +140,9 @@ class LocalNode:
         self.outside_peers: dict[str, str] = {}  # name -> url of peers that are not nodes of this cluster
         self.extra: dict[str, dict[str, Any]] = {}
         self.env: dict[str, str] = {}  # added to the environment of every start of this node
+        # The tree whose code the node runs (its `src/` holds the `replicator` import root): this module's own tree
+        # when None. A test runs a node of an earlier release this way (tests/integration/test_rolling_upgrade.py).
+        self.code: Path | None = None
 
     @property
     def url(self) -> str:
@@ -197,10 +200,7 @@ class LocalNode:
         self.write_config()
         self._term_sent = False
         log = self.log_path.open("ab")
-        child_env = {**os.environ, **self.env, **(env or {})}
-        # The nodes run the tree this module was loaded from (`src/` holds the `replicator` import root).
-        repo = Path(__file__).resolve().parent.parent
-        child_env["PYTHONPATH"] = os.pathsep.join([str(repo / "src"), str(repo), child_env.get("PYTHONPATH", "")])
+        child_env = self.environment(env)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "replicator.coordinator.cli", "run", "--config", str(self.config_path), *args],
             stdout=log,
@@ -210,6 +210,19 @@ class LocalNode:
             start_new_session=True,
         )
         log.close()
+
+    @property
+    def tree(self) -> Path:
+        """The tree whose code the node runs: `code`, or the tree this module was loaded from."""
+        return self.code or Path(__file__).resolve().parent.parent
+
+    def environment(self, env: dict[str, str] | None = None) -> dict[str, str]:
+        """The environment the node's processes start with: its tree's `src/` (the `replicator` import root) and the
+        tree itself first on the path, ahead of any installed copy."""
+        child_env = {**os.environ, **self.env, **(env or {})}
+        tree = self.tree
+        child_env["PYTHONPATH"] = os.pathsep.join([str(tree / "src"), str(tree), child_env.get("PYTHONPATH", "")])
+        return child_env
 
     @property
     def running(self) -> bool:

@@ -940,6 +940,7 @@ class Node:
         pair.session = message.session
         pair.connected_at = now
         pair.own_upto = message.own_upto
+        pair.protocol = message.protocol
         pair.dispatched_to = None
         if pair.setup_started is not None:
             self.metrics.setup_connected(entry.peer, now - pair.setup_started)

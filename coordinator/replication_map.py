@@ -44,6 +44,7 @@ class PairState:
     setup_started: float | None = None
     connected_at: float | None = None
     own_upto: int = 0  # how far the connected session asked for this node's own writes back (`Connected.own_upto`)
+    protocol: int = 0  # the protocol version the latest session speaks (`Connected.protocol`)
     disconnected_at: float | None = None
     last_progress_at: float | None = None
     last_received_seq: int = 0

@@ -187,6 +187,7 @@ class Connected(msgspec.Struct, tag="connected", kw_only=True):
     # the file as the session began): a session that asked for less than the file's latest regression floor cannot
     # serve its recovery (`coordinator.recovery`).
     own_upto: int = 0
+    protocol: int = 0  # the protocol version the session speaks (`wire.check_choice`)
 
 
 class Disconnected(msgspec.Struct, tag="disconnected", kw_only=True):
@@ -234,6 +235,7 @@ class Sending(msgspec.Struct, tag="sending", kw_only=True):
     caught_up: bool = False
     blocked: dict[str, str] = {}  # origin -> the damaged record its stream waits at
     exclude: list[str] = []
+    protocol: int = 0  # the protocol version the session speaks (`wire.choose_protocol`)
     error: str = ""  # why it ended
 
 

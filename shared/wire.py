@@ -4,8 +4,8 @@ Each WebSocket binary message carries exactly one msgpack tagged struct; the Web
 maximum message size caps it (`replication.max_frame_bytes`). One session replicates one database.
 
     subscriber                                sender
-        Hello(node, protocol, wall) -------->
-                                           <-- Hello(node, protocol, wall)
+        Hello(node, protocol, protocols, wall) ->
+                                           <-- Hello(node, protocol, protocols, wall)
         Subscribe(database, progress, exclude) ->
                                            <-- Schema(database, epoch, head_seq, yours, purged)
                                            <-- Batch(entries, marks, head_seq, caught_up) ...
@@ -17,6 +17,8 @@ Replication is by origin. `progress` says, per origin, up to which version the s
 the sender serves every origin not in `exclude` from there, in version order per origin, and each Batch's
 `marks` raise those versions in the subscriber's apply transaction. A first sync is the same stream from 0,
 so it resumes wherever it stopped. `wall` is each end's wall clock, so both see the offset before data moves.
+`protocols` in the subscriber's Hello lists the protocol versions it speaks; the sender answers with the newest one
+both speak in its Hello's `protocol` (`choose_protocol`), and the session speaks that version from then on.
 `Heads` lets the subscriber see that the sender is ahead of it, whatever the sender's stream is doing: a pair whose
 peer is ahead and whose position does not move is stalled (invariant 21).
 
@@ -27,12 +29,20 @@ Close codes: 1000 normal, 1001 going away (shutdown), 1002 malformed frame, 1003
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Iterable
+from typing import Annotated, Any
 
 import msgspec
 
 SUBPROTOCOL = "replicator.v1"
-PROTOCOL_VERSION = 2
+# The protocol versions this node speaks, newest first: its own and the one before, so that a cluster upgrades one
+# node at a time and every pair keeps a version in common (README, "Rolling upgrades"). The next protocol change
+# makes this (3, 2): version 2 stays for one release, and the release after drops it, (4, 3).
+PROTOCOLS_SPOKEN: tuple[int, ...] = (2,)
+PROTOCOL_VERSION = PROTOCOLS_SPOKEN[0]  # this node's own version
+# The most versions a Hello may list (a node speaks two): what a peer's Hello makes this end hold and compare is
+# bounded where it is decoded.
+MAX_PROTOCOLS = 16
 CAPABILITIES = ["origins", "exclude", "holds", "heads"]
 
 CLOSE_NORMAL = 1000
@@ -52,6 +62,7 @@ MAX63 = 2**63 - 1
 Count = Annotated[int, msgspec.Meta(ge=0, le=MAX63)]
 Wall = Annotated[float, msgspec.Meta(ge=0.0, le=1e11)]
 FrameSize = Annotated[int, msgspec.Meta(ge=0, le=2**31)]
+Versions = Annotated[list[Count], msgspec.Meta(max_length=MAX_PROTOCOLS)]
 
 
 class Entry(msgspec.Struct, array_like=True, frozen=True):
@@ -81,12 +92,62 @@ def _utf8_size(text: str) -> int:
 
 class Hello(msgspec.Struct, tag="hello", kw_only=True):
     node: str
+    # The subscriber's Hello: the oldest version it speaks, which is all a node from before negotiation reads (it
+    # refuses any other than its own). The sender's answer: the version the session speaks, chosen from `protocols`.
     protocol: Count = PROTOCOL_VERSION
     capabilities: list[str] = []
     wall: Wall = 0.0  # the sender of this Hello's wall clock, seconds since the epoch
     # The largest frame this end accepts (its replication.max_frame_bytes; 0: not said). A sender builds no frame
     # larger than half of it.
     max_frame: FrameSize = 0
+    # Every version this end speaks. A node from before negotiation sends none: it speaks `protocol` only.
+    protocols: Versions = []
+
+
+def offer(**fields: Any) -> Hello:
+    """This node's Hello as the subscriber sends it: every version it speaks, and the oldest of them as `protocol`."""
+    return Hello(protocol=min(PROTOCOLS_SPOKEN), protocols=list(PROTOCOLS_SPOKEN), **fields)
+
+
+def answer(protocol: int, **fields: Any) -> Hello:
+    """This node's Hello as the sender answers: the version chosen (`choose_protocol`), and every version it speaks."""
+    return Hello(protocol=protocol, protocols=list(PROTOCOLS_SPOKEN), **fields)
+
+
+def spoken_by(hello: Hello) -> list[int]:
+    """The versions the end that sent `hello` speaks, newest first."""
+    return sorted(set(hello.protocols), reverse=True) if hello.protocols else [hello.protocol]
+
+
+def choose_protocol(hello: Hello, own: str) -> int:
+    """The sender's choice for the session the subscriber's `hello` opens: the newest version both ends speak.
+
+    Raises Refused naming both nodes (this one is `own`) and what each speaks when they share none."""
+    theirs = spoken_by(hello)
+    shared = set(theirs) & set(PROTOCOLS_SPOKEN)
+    if not shared:
+        peer = hello.node[:64]
+        raise Refused(
+            f"no protocol version in common: {own} speaks {_listed(PROTOCOLS_SPOKEN)}, {peer} speaks {_listed(theirs)}"
+        )
+    return max(shared)
+
+
+def check_choice(hello: Hello, own: str) -> int:
+    """The subscriber's check of the sender's answer: the version it chose must be one this node (`own`) speaks.
+
+    Raises Refused naming both nodes and what each speaks when it is not."""
+    if hello.protocol not in PROTOCOLS_SPOKEN:
+        peer = hello.node[:64]
+        raise Refused(
+            f"{peer} chose protocol {hello.protocol}, which {own} does not speak: {own} speaks"
+            f" {_listed(PROTOCOLS_SPOKEN)}, {peer} speaks {_listed(spoken_by(hello))}"
+        )
+    return hello.protocol
+
+
+def _listed(versions: Iterable[int]) -> str:
+    return "[" + ", ".join(str(version) for version in sorted(set(versions), reverse=True)) + "]"
 
 
 class Subscribe(msgspec.Struct, tag="subscribe", kw_only=True):

@@ -70,6 +70,7 @@ class Sender:
         self._records_sent = 0
         self._caught_up = False
         self._exclude: list[str] = []
+        self.protocol = 0  # the version the session speaks, once the handshake chose it (`wire.choose_protocol`)
 
     @property
     def database(self) -> str:
@@ -80,8 +81,7 @@ class Sender:
         hello = await frames.expect(self._ws, wire.Hello, HANDSHAKE_TIMEOUT)
         if hello.node != self._peer:
             raise wire.Refused(f"Hello names {hello.node!r} but the certificate names {self._peer!r}")
-        if hello.protocol != wire.PROTOCOL_VERSION:
-            raise wire.Refused(f"protocol {hello.protocol} is not spoken here ({wire.PROTOCOL_VERSION})")
+        self.protocol = wire.choose_protocol(hello, self._ctx.node)
         if hello.wall:
             # Both ends see the offset before any data moves; only the subscriber refuses (it is the one applying).
             offset = round(hello.wall - self._ctx.wall(), 6)
@@ -92,7 +92,8 @@ class Sender:
             self._frame_budget = self._send_limit // 2
         await frames.send(
             self._ws,
-            wire.Hello(
+            wire.answer(
+                self.protocol,
                 node=self._ctx.node,
                 capabilities=wire.CAPABILITIES,
                 wall=self._ctx.wall(),
@@ -287,6 +288,7 @@ class Sender:
                 caught_up=self._caught_up,
                 blocked=dict(plan.blocked) if plan is not None else {},
                 exclude=self._exclude,
+                protocol=self.protocol,
                 error=error[:200],
             )
         )

@@ -129,6 +129,9 @@ class PeerSession:
         self.caught_up = False
         self.peer_recovering = False  # the peer's file of the database is recovering (wire.Batch.recovering)
         self.server_identity: PeerIdentity | None = None  # the certificate the peer presented, once dialled
+        # The protocol version the current session speaks (`wire.check_choice`), what a later version's code branches
+        # on; 0 before a handshake chose one.
+        self.protocol = 0
         # What the peer could mark for us (wire.Heads) and, of those origins, the ones where it is ahead of what
         # this node holds complete, with this node's complete for each (reported: the coordinator's stall check).
         self._peer_heads: dict[str, int] = {}
@@ -409,17 +412,17 @@ class PeerSession:
         if refusal is not None:
             raise wire.Refused(f"the server's {refusal}")
         self.server_identity = identity
+        self.protocol = 0
         await frames.send(
             ws,
-            wire.Hello(
+            wire.offer(
                 node=ctx.node, capabilities=wire.CAPABILITIES, wall=ctx.wall(), max_frame=settings.max_frame_bytes
             ),
         )
         hello = await frames.expect(ws, wire.Hello, HANDSHAKE_TIMEOUT)
         if hello.node != self.peer:
             raise wire.Refused(f"dialled {self.peer!r} but the peer says it is {hello.node!r}")
-        if hello.protocol != wire.PROTOCOL_VERSION:
-            raise wire.Refused(f"the peer speaks protocol {hello.protocol}, this node {wire.PROTOCOL_VERSION}")
+        self.protocol = wire.check_choice(hello, ctx.node)
         offset = hello.wall - ctx.wall() if hello.wall else 0.0
         ctx.report(messages.PeerClock(peer=self.peer, offset_seconds=round(offset, 6)))
         if offset > settings.max_clock_skew:
@@ -455,6 +458,7 @@ class PeerSession:
             origins=len(progress),
             exclude=self.sub.exclude[:LOGGED_NAMES],
             excluded=len(self.sub.exclude),
+            protocol=self.protocol,
         )
         ctx.report(
             messages.Connected(
@@ -464,6 +468,7 @@ class PeerSession:
                 session=session,
                 peer_head_seq=schema.head_seq,
                 own_upto=own_upto,
+                protocol=self.protocol,
             )
         )
         self._report_progress(session, force=True)

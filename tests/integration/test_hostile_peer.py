@@ -130,7 +130,8 @@ async def _handshake_frame(ws: Any) -> Any:
 
 class FakePeer:
     """A registered peer the node dials: `serve(ws, subscribe)` plays the sending end after the handshake.
-    `routes(app)` may add more of the node port's endpoints (the blob endpoint) to its server."""
+    `routes(app)` may add more of the node port's endpoints (the blob endpoint) to its server; `hello` is its answer
+    to the node's Hello (by default, one of a node that speaks protocol 2 and says no list)."""
 
     def __init__(
         self,
@@ -138,11 +139,14 @@ class FakePeer:
         folder: Path,
         serve: Callable[[Any, wire.Subscribe], Awaitable[None]],
         routes: Callable[[web.Application], None] | None = None,
+        hello: wire.Hello | None = None,
     ):
         self.cluster = cluster
         self.folder = folder
         self.serve = serve
         self.routes = routes
+        self.hello = hello or wire.Hello(node="mallet", capabilities=wire.CAPABILITIES, wall=0.0)
+        self.hellos: list[wire.Hello] = []  # what each dialling node said
         self.dials: list[tuple[str, float]] = []  # (the dialling node, when)
         self.port = free_ports(1)[0]
         self._runner: web.AppRunner | None = None
@@ -194,7 +198,8 @@ class FakePeer:
             hello = await _handshake_frame(ws)
             assert isinstance(hello, wire.Hello)
             self.dials.append((hello.node, asyncio.get_running_loop().time()))
-            await ws.send_bytes(wire.encode(wire.Hello(node="mallet", capabilities=wire.CAPABILITIES, wall=0.0)))
+            self.hellos.append(hello)
+            await ws.send_bytes(wire.encode(self.hello))
             subscribe = await _handshake_frame(ws)
             assert isinstance(subscribe, wire.Subscribe)
             await self.serve(ws, subscribe)
@@ -317,6 +322,61 @@ async def test_a_peer_refused_for_clock_skew_is_redialled_on_a_growing_schedule(
         await peer.close()
         await cluster.close()
     assert_log_is_json(cluster["a"])
+
+
+async def test_a_peer_sharing_no_protocol_version_is_refused_both_ways_naming_both_lists(
+    pair: tuple[LocalCluster, Path],
+) -> None:
+    """mallet speaks versions 8 and 7 only. Dialling a, it is refused before a answers (1008, the reason naming both
+    lists, logged as `session_rejected`); dialled by a, it answers with 9, which a refuses, and /status shows why
+    (the pair's `last_error`) and no version spoken."""
+    cluster, folder = pair
+    unharmed = await Unharmed.of(cluster)
+    ours = ", ".join(str(version) for version in wire.PROTOCOLS_SPOKEN)
+    subscribed: list[str] = []
+
+    async def serve(ws: Any, subscribe: wire.Subscribe) -> None:
+        subscribed.append(subscribe.database)
+
+    peer = FakePeer(cluster, folder, serve, hello=wire.Hello(node="mallet", protocol=9, protocols=[9]))
+    await peer.start()
+    try:
+        await _register(cluster, "mallet", peer.url, replicates=True)
+
+        async def answered() -> Any:
+            try:
+                ws = await _dial(cluster, folder)
+            except aiohttp.WSServerHandshakeError:
+                return None  # mallet's row has not reached the worker yet
+            try:
+                await ws.send_bytes(wire.encode(wire.Hello(node="mallet", protocol=7, protocols=[8, 7])))
+                message = await ws.receive(timeout=10)
+            finally:
+                await ws.close()
+            if message.type is aiohttp.WSMsgType.CLOSE and "protocol" in (message.extra or ""):
+                return message.data, message.extra
+            return None
+
+        code, reason = await wait_for(answered, 60, "a to take mallet's certificate and refuse its Hello")
+        refusal = f"no protocol version in common: a speaks [{ours}], mallet speaks [8, 7]"
+        assert (code, reason) == (wire.CLOSE_POLICY, refusal)
+        rejected = [e for e in cluster["a"].events("session_rejected") if e.get("peer") == "mallet"]
+        assert rejected and rejected[-1]["reason"] == refusal and rejected[-1]["code"] == wire.CLOSE_POLICY
+
+        chose = f"mallet chose protocol 9, which a does not speak: a speaks [{ours}], mallet speaks [9]"
+
+        async def reported() -> Any:
+            _, body = await cluster.admin("a", "/status")
+            pairs = [d for c in body["connections"] if c["peer"] == "mallet" for d in c["databases"]]
+            return pairs if pairs and all(d["last_error"] == chose for d in pairs) else None
+
+        for pair_status in await wait_for(reported, 60, "a's /status to show why it refused mallet's answer"):
+            assert not pair_status["connected"] and pair_status["protocol"] is None
+        assert peer.hellos and all(h.protocols == list(wire.PROTOCOLS_SPOKEN) for h in peer.hellos)
+        assert subscribed == []  # a never subscribed after refusing the answer
+    finally:
+        await peer.close()
+    await unharmed.check()
 
 
 LIMIT = 64 * 1024  # the least replication.max_frame_bytes

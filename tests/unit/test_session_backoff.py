@@ -259,3 +259,43 @@ def test_a_refused_batch_after_an_applied_one_does_not_start_the_schedule_over(
     assert all("not msgpack" in error for _, error in delays), delays
     assert [delay for delay, _ in delays[:6]] == FIRST_DELAYS
     assert all(sender.close_code == wire.CLOSE_MALFORMED for sender in subscriber.senders)
+
+
+async def answers_protocol_9(sender: ScriptedSender) -> AsyncIterator[wire.Message]:
+    """A sender that chose a protocol version this node does not speak."""
+    yield wire.Hello(node=PEER, protocol=9, protocols=[9, 8], capabilities=["origins", "exclude"], wall=sender.wall())
+
+
+def test_a_sender_choosing_a_version_this_node_does_not_speak_is_refused_before_the_subscription(
+    make_subscriber: Callable[[list[Script]], Subscriber], loop: VirtualTimeLoop
+) -> None:
+    subscriber = make_subscriber([answers_protocol_9])
+    loop.advance(2.0)
+    spoken = ", ".join(str(version) for version in wire.PROTOCOLS_SPOKEN)
+    reason = f"p chose protocol 9, which w does not speak: w speaks [{spoken}], p speaks [9, 8]"
+    assert [error for _, error in subscriber.delays()] == [reason] * len(subscriber.delays())
+    assert subscriber.session.last_error == reason and not subscriber.session.connected
+    for sender in subscriber.senders:
+        (offered,) = sender.received  # no Subscribe follows the Hello
+        assert isinstance(offered, wire.Hello) and offered.protocols == list(wire.PROTOCOLS_SPOKEN)
+        assert sender.close_code == wire.CLOSE_POLICY
+    assert [delay for delay, _ in subscriber.delays()[:3]] == FIRST_DELAYS[:3]  # refused: the schedule grows
+
+
+async def answers_as_before_negotiation(sender: ScriptedSender) -> AsyncIterator[wire.Message]:
+    """A sender from before negotiation (commit 9aaf386): protocol 2 and no list; then a batch, and gone."""
+    yield wire.Hello(node=PEER, protocol=2, capabilities=["origins", "exclude"], wall=sender.wall())
+    yield wire.Schema(database="db", epoch="e", head_seq=1)
+    yield batch([record(sender.version())])
+    await sender.acked(1)
+
+
+def test_the_session_speaks_what_a_sender_from_before_negotiation_answers(
+    make_subscriber: Callable[[list[Script]], Subscriber], loop: VirtualTimeLoop
+) -> None:
+    subscriber = make_subscriber([answers_as_before_negotiation])
+    loop.advance(0.1)
+    (connected,) = [m for _, m in subscriber.reports if isinstance(m, messages.Connected)]
+    assert connected.protocol == subscriber.session.protocol == 2
+    offered = subscriber.senders[0].received[0]
+    assert isinstance(offered, wire.Hello) and offered.protocol == min(wire.PROTOCOLS_SPOKEN)

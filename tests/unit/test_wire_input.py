@@ -35,7 +35,7 @@ values = st.recursive(
 )
 fields = st.sampled_from(
     ["type", "node", "protocol", "wall", "max_frame", "database", "progress", "exclude", "own_upto", "epoch",
-     "head_seq", "entries", "marks", "caught_up", "seq", "capabilities"]
+     "head_seq", "entries", "marks", "caught_up", "seq", "capabilities", "protocols"]
 )  # fmt: skip
 frames = st.dictionaries(fields, values, max_size=8).flatmap(
     lambda body: st.sampled_from(TAGS).map(lambda tag: {**body, "type": tag})
@@ -64,6 +64,8 @@ def _numbers(message: Any) -> list[int]:
             for item in value:
                 if isinstance(item, wire.Entry):
                     found.append(item.version)
+                elif isinstance(item, int) and not isinstance(item, bool):
+                    found.append(item)  # Hello.protocols
     return found
 
 
