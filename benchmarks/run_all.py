@@ -133,6 +133,21 @@ BENCHES = [
         "a node catching up after an outage, records and blobs, against the raw ceiling",
         quick=["--outage", "20"],
     ),
+    Bench(
+        "scrape_size",
+        "scrape_size.py",
+        "one /metrics scrape of a node with 1,000 databases and 2 peers: bytes, series per database, time",
+        quick=["--databases", "200"],
+        headline=[
+            "bytes",
+            "gzip_bytes",
+            "series",
+            "series_per_database",
+            "scrape_ms",
+            "scrape_cpu_ms",
+            "targets_met.scrape_s",
+        ],
+    ),
 ]
 
 

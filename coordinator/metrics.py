@@ -8,9 +8,18 @@ counters never go backwards, and series are bounded by the label values (peers, 
 exist. Histograms observed in a worker travel the same way, as counts per fixed bucket (`shared.histograms`).
 Both are kept here as plain numbers by label values and rendered at scrape time (`_FedCounters`, `_FedHistograms`),
 not as prometheus-client children: a child costs about 600 bytes, and a node holds several per (peer, database)
-pair. The series a wanted peer, a wanted pair or a held database shows at 0 before its first event (`ZERO_SERIES`,
-which holds every labelled counter an alert takes the increase() of) are made at each scrape from the node's state
-and kept by nothing, so an idle database costs the coordinator no metrics memory at all.
+pair.
+
+What a scrape costs grows with the series that scale with databases (issue 23: at 1,000 databases, 57 per database
+with two peers made 4.6 MB and 0.8 s of the loop's CPU per scrape). So per (peer, database) pair there are only the
+series an operator reads per pair: connected, lag, records applied and sent, anti-entropy rounds, and the copy
+while one runs; histograms are per node; what a pair or a database rarely has (refusals, failures, limits, repairs,
+divergent buckets, damaged records, missing or refused blobs) has a series only once it happened. Each labelled
+counter has its series from its first count, except those of ZERO_SERIES, shown at 0 for what the node knows
+before then: they are made at each scrape from the node's state and kept by nothing, so an idle database costs the
+coordinator no metrics memory at all. A counted series goes with the peer or the database it names: once the
+registry no longer lists the peer, or the node neither holds the database nor wants a pair of it, the next scrape
+drops it (were it to come back, Prometheus sees a counter reset).
 Gauges describing the current state (connected, lag, pending, rss) are computed at scrape time from the
 coordinator's own state, so a pair that is gone has no series left; so are the worker processes' CPU, open files
 and memory (psutil, by the pids the supervisor knows) and the certificates' expiry (read from their files). The
@@ -27,6 +36,7 @@ import os
 import platform
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import psutil
@@ -48,7 +58,7 @@ from replicator.shared import config as config_module
 from replicator.shared import memory
 from replicator.shared.histograms import BATCH_APPLY_SECONDS, BUCKETS, WRITE_CONFIRM_SECONDS
 from replicator.shared.logs import log
-from replicator.shared.messages import ROUND_LIMITS, CounterDelta, HistogramDelta
+from replicator.shared.messages import CounterDelta, HistogramDelta
 from replicator.shared.tls import TlsConfigError, ca_certificates, certificate_chain, issued_by_any
 
 if TYPE_CHECKING:
@@ -88,11 +98,13 @@ FED_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     ),
     "replicator_records_applied_total": ("Records from peers that won and were applied", ("database", "peer")),
     "replicator_records_received_total": (
-        "Records received from peers in applied batches, won or not (a record received twice counts twice)",
-        ("database", "peer"),
+        "Records received from the peer in applied batches, won or not (a record received twice counts twice),"
+        " all databases together",
+        ("peer",),
     ),
     "replicator_commit_retries_total": (
-        "Batches from peers whose commit failed (a busy or full disk) and was tried again",
+        "Batches from peers whose commit failed (a busy or full disk) and was tried again; no series for a database"
+        " until its first",
         ("database",),
     ),
     "replicator_commits_caught_by_poll_total": (
@@ -101,13 +113,18 @@ FED_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
         (),
     ),
     "replicator_records_sent_total": ("Records sent to subscribers", ("database", "peer")),
-    "replicator_records_written_total": ("Records written locally through the data API", ("database",)),
+    "replicator_records_written_total": (
+        "Records written locally through the data API; no series for a database until its first",
+        ("database",),
+    ),
     "replicator_write_confirm_timeouts_total": (
-        "Writes answered 504: committed here, but fewer other nodes than asked (?confirm=) held them in time",
+        "Writes answered 504: committed here, but fewer other nodes than asked (?confirm=) held them in time; no"
+        " series for a database until its first",
         ("database",),
     ),
     "replicator_read_after_timeouts_total": (
-        "Reads answered 504: this node did not cover their session token (X-Replicator-After) in time",
+        "Reads answered 504: this node did not cover their session token (X-Replicator-After) in time; no series"
+        " for a database until its first",
         ("database",),
     ),
     "replicator_clock_skew_refusals_total": (
@@ -115,26 +132,28 @@ FED_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
         ("peer",),
     ),
     "replicator_checksum_failures_total": (
-        "Stored records found damaged (failed their checksum), each counted once when it was found",
+        "Stored records found damaged (failed their checksum), each counted once when it was found; no series for"
+        " a database until its first",
         ("database",),
     ),
     "replicator_blobs_missing_total": (
-        "Records applied without their blob because the peer that sent them did not have it (repair-blobs)",
+        "Records applied without their blob because the peer that sent them did not have it (repair-blobs); no"
+        " series for a database until its first",
         ("database",),
     ),
     "replicator_blobs_refused_total": (
         "Blobs not fetched because their reference claims more than data.max_value_bytes (each record is applied"
-        " without its blob)",
+        " without its blob); no series for a pair until its first",
         ("peer", "database"),
     ),
     "replicator_blob_transfers_aborted_total": (
         "Blob downloads cut for being slower than replication.blob_min_rate over a window or past their deadline"
-        " (resumed by a later attempt)",
+        " (resumed by a later attempt); no series for a pair until its first",
         ("peer", "database"),
     ),
     "replicator_blob_check_bytes_total": (
         "Bytes of blob files hashed to check them before they are served to peers (once per version of a file and"
-        " worker, not per request)",
+        " worker, not per request); no series for a database until its first",
         ("database",),
     ),
     "replicator_log_events_suppressed_total": ("Repeated identical warnings not written to the log", ("event",)),
@@ -143,7 +162,8 @@ FED_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
         ("peer",),
     ),
     "replicator_foreign_origin_refusals_total": (
-        "Records a peer held or sent under this node's origin at versions it never wrote",
+        "Records a peer held or sent under this node's origin at versions it never wrote; no series for a pair"
+        " until its first",
         ("peer", "database"),
     ),
     "replicator_connections_refused_total": (
@@ -171,16 +191,17 @@ ROUND_COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
         ("peer", "database"),
     ),
     "replicator_antientropy_failures_total": (
-        "Anti-entropy rounds that ended with an error or did not answer in time",
+        "Anti-entropy rounds that ended with an error or did not answer in time; no series for a pair until its first",
         ("peer", "database"),
     ),
     "replicator_antientropy_records_repaired_total": (
-        "Records anti-entropy changed on this node: pulled from the peer, or damaged ones removed",
+        "Records anti-entropy changed on this node: pulled from the peer, or damaged ones removed; no series for a"
+        " pair until its first",
         ("peer", "database"),
     ),
     "replicator_antientropy_limits_exceeded_total": (
         "Anti-entropy rounds that failed because the peer's answers took them past one of their limits"
-        " (frontier, queries, bytes, time, answer)",
+        " (frontier, queries, bytes, time, answer); no series for a pair and limit until its first",
         ("peer", "database", "limit"),
     ),
 }
@@ -199,45 +220,35 @@ class Known(enum.Enum):
     """Label values a counter's zero series take from the node's state at each scrape; the value names the labels."""
 
     PEERS = ("peer",)  # each wanted peer: the replication map, built from the registry and the config's [[peers]]
-    DATABASES = ("database",)  # each database the node holds
     PAIRS = ("peer", "database")  # each wanted (peer, database) pair
-    PAIR_LIMITS = ("peer", "database", "limit")  # each wanted pair with each of messages.ROUND_LIMITS
 
 
-# Every counter shown at 0 before its first event, and what for: the node's known peers, databases or pairs, or
-# fixed values. A series that appears with its first event has no earlier sample to rise from, so increase() and
-# rate() see nothing of that event, and an alert on one episode never fires. Every labelled counter an alert in
-# ops/alerts.yml takes the increase() or rate() of must be here (tests/integration/test_ops_files.py checks it); a
-# counter without labels has its one series from the start. The zeros are made at each scrape and kept by nothing:
-# a peer or database the node no longer knows gets none, so they stay bounded by peers x databases.
+# Every counter shown at 0 before its first event, and what for: the node's wanted peers or pairs, or fixed values.
+# A series that appears with its first event has no earlier sample to rise from, so increase() and rate() see
+# nothing of that event: an alert in ops/alerts.yml that takes the increase() of a labelled counter that is not
+# here must also catch the series that just appeared (`x unless last_over_time(x[1h] offset 15m)`;
+# tests/integration/test_ops_files.py checks it). A counter without labels has its one series from the start. Per
+# pair only what every pair has anyway is here (records applied and sent, rounds): a zero per pair of what a pair
+# rarely has would be most of a scrape of a node with many databases. The zeros are made at each scrape and kept
+# by nothing: a peer or pair the node no longer wants gets none, so they stay bounded by peers x databases.
 ZERO_SERIES: dict[str, Known | tuple[str, ...]] = {
     # The alerts' counters.
     "replicator_clock_skew_refusals_total": Known.PEERS,  # ReplicatorClockSkew
     "replicator_registry_rows_refused_total": Known.PEERS,  # ReplicatorPeerForgery
-    "replicator_foreign_origin_refusals_total": Known.PAIRS,  # ReplicatorPeerForgery
-    "replicator_antientropy_records_repaired_total": Known.PAIRS,  # ReplicatorRepairsRecurring
-    "replicator_checksum_failures_total": Known.DATABASES,  # ReplicatorChecksumFailures
     # Other counters worth a rate from the start (the dashboard's).
     "replicator_reconnect_attempts_total": Known.PEERS,
     "replicator_redials_deferred_total": Known.PEERS,
     "replicator_bytes_sent_total": Known.PEERS,
     "replicator_bytes_received_total": Known.PEERS,
     "replicator_frames_refused_total": Known.PEERS,
+    "replicator_records_received_total": Known.PEERS,
     "replicator_records_applied_total": Known.PAIRS,
     "replicator_records_sent_total": Known.PAIRS,
     "replicator_antientropy_rounds_total": Known.PAIRS,
-    "replicator_antientropy_failures_total": Known.PAIRS,
-    "replicator_antientropy_limits_exceeded_total": Known.PAIR_LIMITS,
-    "replicator_blobs_missing_total": Known.DATABASES,
-    "replicator_blobs_refused_total": Known.PAIRS,
-    "replicator_blob_transfers_aborted_total": Known.PAIRS,
-    "replicator_blob_check_bytes_total": Known.DATABASES,
     "replicator_log_events_suppressed_total": SAMPLED_EVENTS,
     "replicator_connections_refused_total": CONNECTION_LIMITS,
     "replicator_admin_refused_total": ADMIN_REFUSALS,
 }
-
-Series = dict[str, set[tuple[str, ...]]]  # metric name -> label values of the series shown at 0 when not counted yet
 
 
 def _zero_layouts() -> dict[str, tuple[int, ...]]:
@@ -262,15 +273,62 @@ def _zero_layouts() -> dict[str, tuple[int, ...]]:
 
 _ZERO_LAYOUTS = _zero_layouts()
 
+
+@dataclass(frozen=True)
+class Scope:
+    """What the node knows at one scrape: the peers and databases a counted series may name, and the label values
+    of the zero series.
+
+    `peers`: every node of the registry (with the config's [[peers]]) and every wanted peer; None before the first
+    registry pass, when a peer is not yet known to be gone. `databases`: those the node holds and those of a
+    wanted pair (a database deleted here that a peer still holds)."""
+
+    peers: frozenset[str] | None
+    databases: frozenset[str]
+    known: Mapping[Known, list[tuple[str, ...]]]
+    # (source, layout) -> the label values of `source` in that order, made once per scrape (`zeros`)
+    _ordered: dict[tuple[Known, tuple[int, ...]], list[tuple[str, ...]]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    @classmethod
+    def of(cls, node: MetricsView) -> Scope:
+        wanted = [(entry.peer,) for entry in node.map]
+        pairs = [(entry.peer, database) for entry in node.map for database in entry.pairs]
+        peers = frozenset([*node.views, *(peer for (peer,) in wanted)]) if node.views else None
+        databases = frozenset([*node.holds, *(database for _, database in pairs)])
+        return cls(peers, databases, {Known.PEERS: wanted, Known.PAIRS: pairs})
+
+    def zeros(self, source: Known, layout: tuple[int, ...]) -> list[tuple[str, ...]]:
+        """The label values of `source` in a counter's label order (`layout`), made once per scrape."""
+        values = self.known[source]
+        if layout == tuple(range(len(layout))):
+            return values
+        key = (source, layout)
+        found = self._ordered.get(key)
+        if found is None:
+            found = self._ordered[key] = [tuple(each[index] for index in layout) for each in values]
+        return found
+
+    def gone(self, labels: tuple[str, ...], peer_at: int | None, database_at: int | None) -> bool:
+        """Does the series name a peer or a database the node no longer knows?"""
+        if peer_at is not None and self.peers is not None and labels[peer_at] not in self.peers:
+            return True
+        return database_at is not None and labels[database_at] not in self.databases
+
+
 # Histograms fed by the workers: name -> (help, label names); their buckets are shared.histograms.BUCKETS[name].
+# Per node: 16 series of buckets per database would be most of a scrape of a node with many databases, and a slow
+# commit or confirmation is the disk's or the network's before it is one database's.
 FED_HISTOGRAMS: dict[str, tuple[str, tuple[str, ...]]] = {
     BATCH_APPLY_SECONDS: (
-        "Time to commit one batch from a peer (its records and marks in one transaction, retries included)",
-        ("database",),
+        "Time to commit one batch from a peer (its records and marks in one transaction, retries included), all"
+        " databases together",
+        (),
     ),
     WRITE_CONFIRM_SECONDS: (
-        "From a write's commit here to its last confirmation from other nodes (?confirm=)",
-        ("database",),
+        "From a write's commit here to its last confirmation from other nodes (?confirm=), all databases together",
+        (),
     ),
 }
 # From a subscribe dispatched to a worker while the pair was not connected to the pair's connected report: the
@@ -297,9 +355,9 @@ class Metrics:
         # without names they are still asked when a scrape selects families with `?name[]=`.
         self.registry = CollectorRegistry(auto_describe=True, support_collectors_without_names=True)
         registry = self.registry
-        self._counters = _FedCounters({**FED_COUNTERS, **ROUND_COUNTERS, **ADMIN_COUNTERS}, self._zero_counters)
+        self._counters = _FedCounters({**FED_COUNTERS, **ROUND_COUNTERS, **ADMIN_COUNTERS}, lambda: Scope.of(node))
         registry.register(self._counters)
-        self._histograms = _FedHistograms(self._zero_histograms)
+        self._histograms = _FedHistograms()
         registry.register(self._histograms)
         self._setup_connected = Histogram(
             "replicator_setup_to_connected_seconds",
@@ -308,6 +366,7 @@ class Metrics:
             buckets=SETUP_BUCKETS,
             registry=registry,
         )
+        self._setup_peers: set[str] = set()  # the peers _setup_connected has a series of
         self._unknown_reported: set[str] = set()
         registry.register(_StateCollector(node))
         # The coordinator's own process: process_cpu_seconds_total, process_resident_memory_bytes, process_open_fds...
@@ -353,38 +412,22 @@ class Metrics:
 
     def setup_connected(self, peer: str, seconds: float) -> None:
         self._setup_connected.labels(peer).observe(max(0.0, seconds))
+        self._setup_peers.add(peer)
 
     def prepare(self) -> None:
-        """Create the series a scrape should show at 0 before their first event; call it before each scrape.
+        """Bring the setup histogram in line with the node's peers; call it before each scrape.
 
-        Only the setup histogram's, one per wanted peer, are made here: the counters' and the apply histogram's are
-        made by the scrape itself (`_zero_counters`, `_zero_histograms`)."""
-        for entry in self._node.map:
-            self._setup_connected.labels(entry.peer)
-
-    def _zero_counters(self) -> Series:
-        """The series of ZERO_SERIES for what the node knows now: each wanted peer and pair (the replication map)
-        and each held database, so increase() and rate() see the first event of each."""
-        known: dict[Known, set[tuple[str, ...]]] = {known: set() for known in Known}
-        for entry in self._node.map:
-            known[Known.PEERS].add((entry.peer,))
-            known[Known.PAIRS].update((entry.peer, database) for database in entry.pairs)
-        known[Known.PAIR_LIMITS] = {(*pair, limit) for pair in known[Known.PAIRS] for limit in ROUND_LIMITS}
-        known[Known.DATABASES] = {(database,) for database in self._node.holds}
-        shown: Series = {}
-        for name, source in ZERO_SERIES.items():
-            if isinstance(source, Known):
-                layout = _ZERO_LAYOUTS[name]
-                if layout == tuple(range(len(layout))):  # the labels in the order Known has them: read as they are
-                    shown[name] = known[source]
-                else:
-                    shown[name] = {tuple(values[index] for index in layout) for values in known[source]}
-            else:
-                shown[name] = {(value,) for value in source}
-        return shown
-
-    def _zero_histograms(self) -> Series:
-        return {BATCH_APPLY_SECONDS: {(database,) for database in self._node.holds}}
+        Each wanted peer has its series, empty before its first setup; a peer the registry no longer lists has none.
+        The counters' zeros and the series they drop are the scrape's own (`_FedCounters.collect`)."""
+        scope = Scope.of(self._node)
+        if scope.peers is not None:
+            for peer in sorted(self._setup_peers - scope.peers):
+                self._setup_connected.remove(peer)
+                self._setup_peers.discard(peer)
+        for (peer,) in scope.known[Known.PEERS]:
+            if peer not in self._setup_peers:
+                self._setup_connected.labels(peer)
+                self._setup_peers.add(peer)
 
     def render(self) -> bytes:
         """The Prometheus text format (the admin server negotiates the format itself, with `registry`)."""
@@ -394,17 +437,30 @@ class Metrics:
 
 class _FedCounters(Collector):
     """Counters kept as a number per label values and rendered at each scrape. A replaced worker only stops sending
-    increments, so no counter goes backwards; a series, once counted, stays. `zeros` names the series to show at 0
-    while they have not been counted (the node's wanted pairs, its databases): those are made for the scrape and
-    kept by nothing."""
+    increments, so no counter goes backwards. A counted series stays while the node knows the peer and the
+    database it names (`Scope`), and is dropped at the first scrape after. The zero series of ZERO_SERIES are
+    shown for the node's wanted peers and pairs while they have not been counted: made for the scrape and kept by
+    nothing."""
 
-    def __init__(self, specs: Mapping[str, tuple[str, tuple[str, ...]]], zeros: Callable[[], Series]) -> None:
+    def __init__(self, specs: Mapping[str, tuple[str, tuple[str, ...]]], scope: Callable[[], Scope]) -> None:
         self._specs = dict(specs)
-        self._zeros = zeros
+        self._scope = scope
         self._lock = threading.Lock()  # a sampled warning logged from a thread counts its suppressed lines
         # name -> label values -> value; a metric without labels has its one series from the start
         self._values: dict[str, dict[tuple[str, ...], float]] = {
             name: ({(): 0.0} if not labelnames else {}) for name, (_, labelnames) in self._specs.items()
+        }
+        # name -> where its `peer` and `database` labels sit (None: it has none), for the counters with either
+        self._named: dict[str, tuple[int | None, int | None]] = {
+            name: (_index(labelnames, "peer"), _index(labelnames, "database"))
+            for name, (_, labelnames) in self._specs.items()
+            if {"peer", "database"} & set(labelnames)
+        }
+        # name -> the fixed label values of its zero series (ZERO_SERIES entries that are not `Known`)
+        self._fixed: dict[str, list[tuple[str, ...]]] = {
+            name: [(value,) for value in source]
+            for name, source in ZERO_SERIES.items()
+            if not isinstance(source, Known) and name in self._specs
         }
 
     def fits(self, name: str, labels: Iterable[str]) -> bool:
@@ -421,31 +477,50 @@ class _FedCounters(Collector):
             raise ValueError(f"no counter {name} with {len(labels)} labels")
         return self._values[name]
 
+    def _zeros(self, name: str, scope: Scope) -> list[tuple[str, ...]]:
+        source = ZERO_SERIES.get(name)
+        if isinstance(source, Known):
+            return scope.zeros(source, _ZERO_LAYOUTS[name])
+        return self._fixed.get(name, [])
+
     def describe(self) -> Iterator[Metric]:
         return iter(())
 
     def collect(self) -> Iterator[Metric]:
-        zeros = self._zeros()
+        scope = self._scope()
         for name, (documentation, labelnames) in self._specs.items():
             family = CounterMetricFamily(name, documentation, labels=labelnames)
+            values = self._values[name]
+            zeros = self._zeros(name, scope)
             with self._lock:
-                shown = {**dict.fromkeys(zeros.get(name, ()), 0.0), **self._values[name]}
+                named = self._named.get(name)
+                if named is not None:
+                    for labels in [labels for labels in values if scope.gone(labels, *named)]:
+                        del values[labels]
+                shown = dict.fromkeys(zeros, 0.0) if zeros else {}
+                shown.update(values)
             for labels, value in sorted(shown.items()):
-                family.add_metric(list(labels), value)
+                family.add_metric(labels, value)
             yield family
+
+
+def _index(labelnames: tuple[str, ...], label: str) -> int | None:
+    return labelnames.index(label) if label in labelnames else None
 
 
 class _FedHistograms(Collector):
     """The histograms workers observe, kept here as cumulative counts per bucket, like the fed counters: a replaced
-    worker only stops sending, so no bucket goes backwards, and the series are bounded by the label values. `zeros`
-    names the series to show empty while nothing was observed in them (kept by nothing, like the counters')."""
+    worker only stops sending, so no bucket goes backwards. A histogram without labels has its one series, empty,
+    from the start."""
 
-    def __init__(self, zeros: Callable[[], Series] | None = None) -> None:
-        self._zeros = zeros
+    def __init__(self) -> None:
         # name -> label values -> (count per bucket, +Inf last, not cumulative; sum)
         self._series: dict[str, dict[tuple[str, ...], tuple[list[float], list[float]]]] = {
             name: {} for name in FED_HISTOGRAMS
         }
+        for name, (_, labelnames) in FED_HISTOGRAMS.items():
+            if not labelnames:
+                self.touch(name, ())
 
     def touch(self, name: str, labels: tuple[str, ...]) -> tuple[list[float], list[float]]:
         series = self._series[name]
@@ -474,17 +549,12 @@ class _FedHistograms(Collector):
         return iter(())
 
     def collect(self) -> Iterator[Metric]:
-        zeros = self._zeros() if self._zeros is not None else {}
         for name, (documentation, labelnames) in FED_HISTOGRAMS.items():
             family = HistogramMetricFamily(name, documentation, labels=labelnames)
-            bounds = [*BUCKETS[name], math.inf]
-            empty = ([0.0] * len(bounds), [0.0])
-            observed = self._series[name]
-            shown = {**dict.fromkeys(zeros.get(name, ()), empty), **observed}
-            for labels, (counts, total) in sorted(shown.items()):
-                cumulative = itertools.accumulate(counts)
-                buckets = [(floatToGoString(bound), value) for bound, value in zip(bounds, cumulative, strict=True)]
-                family.add_metric(list(labels), buckets, total[0])
+            bounds = [floatToGoString(bound) for bound in (*BUCKETS[name], math.inf)]
+            for labels, (counts, total) in sorted(self._series[name].items()):
+                buckets = list(zip(bounds, itertools.accumulate(counts), strict=True))
+                family.add_metric(labels, buckets, total[0])
             yield family
 
 
@@ -576,26 +646,29 @@ class _StateCollector(Collector):
         )
         divergent = GaugeMetricFamily(
             "replicator_antientropy_divergent_buckets",
-            "Buckets that differed from the peer in the pair's last completed anti-entropy round",
+            "Buckets that differed from the peer in the pair's last completed anti-entropy round; only for pairs"
+            " whose last completed round found any (no series: none, or no round completed yet)",
             labels=["peer", "database"],
         )
         remaining = GaugeMetricFamily(
             "replicator_copy_remaining_records",
-            "Records the pair's session still has to receive of what the sender held when it started (0 when caught"
-            " up): a copy's progress",
+            "Records the pair's session still has to receive of what the sender held when it started: a copy's"
+            " progress; only while the pair copies (no series: caught up, or not connected)",
             labels=["peer", "database"],
         )
-        now = node.loop.time()
+        last_completed = node.antientropy.last_completed
         for entry in node.map:
+            peer, key = entry.peer, entry.key
             for database, pair in sorted(entry.pairs.items()):
-                copying = pair.copy(now)
-                remaining.add_metric([entry.peer, database], copying["remaining"] if copying else 0.0)
-                connected.add_metric([entry.peer, database], 1.0 if pair.connected else 0.0)
+                connected.add_metric((peer, database), 1.0 if pair.connected else 0.0)
                 if pair.progressed:  # a pair that never received a batch has no lag to report, not 0
-                    lag.add_metric([database, entry.peer], pair.lag_seconds)
-                completed = node.antientropy.last_completed(entry.key, database)
-                if completed is not None:
-                    divergent.add_metric([entry.peer, database], completed.divergent_buckets)
+                    lag.add_metric((database, peer), pair.lag_seconds)
+                left = pair.copy_remaining
+                if left > 0:
+                    remaining.add_metric((peer, database), left)
+                completed = last_completed(key, database)
+                if completed is not None and completed.divergent_buckets > 0:
+                    divergent.add_metric((peer, database), completed.divergent_buckets)
         yield connected
         yield remaining
         yield lag

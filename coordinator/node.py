@@ -552,6 +552,9 @@ class Node:
     def on_node_removed(self, name: str) -> None:
         self.database_limit.forget_peer(name)
         self.confirmations.forget_node(name)
+        # What is shown of it goes with it (coordinator.metrics drops its counted series at the next scrape).
+        self.stalls.pop(name, None)
+        self.peer_clock.pop(name, None)
         for key in [key for key in self.peer_holds if key[1] == name]:
             del self.peer_holds[key]
         for key in [key for key in self.sending if key[0] == name]:

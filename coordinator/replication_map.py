@@ -99,10 +99,20 @@ class PairState:
             quiet_since = self.ahead_since
         return now - max(quiet_since, self.stall_kicked_at or 0.0) >= threshold
 
+    @property
+    def copying(self) -> bool:
+        """The connected session is catching up on what the sender held when it started."""
+        return self.connected and not self.caught_up and self.backlog > 0 and self.connected_at is not None
+
+    @property
+    def copy_remaining(self) -> int:
+        """What the session still has to receive of the sender's backlog at its start; 0 when it is not copying."""
+        return self.backlog - min(self.received, self.backlog) if self.copying else 0
+
     def copy(self, now: float) -> dict[str, Any] | None:
         """The session's copy progress while it is catching up: records received of the backlog the sender had when
         the session started, the rate since, and the time left at that rate; None once caught up."""
-        if not self.connected or self.caught_up or self.backlog <= 0 or self.connected_at is None:
+        if not self.copying or self.connected_at is None:
             return None
         records = min(self.received, self.backlog)
         elapsed = max(now - self.connected_at, 1e-3)

@@ -41,6 +41,9 @@ class MetricsView(Protocol):
     def map(self) -> ReplicationMap: ...
 
     @property
+    def views(self) -> Mapping[str, NodeView]: ...
+
+    @property
     def scheduler(self) -> SetupScheduler: ...
 
     @property

@@ -439,7 +439,7 @@ class DataApi:
                 response.headers[TOKEN_HEADER] = token
                 return response
             elapsed = asyncio.get_running_loop().time() - started
-            self._ctx.counters.observe(WRITE_CONFIRM_SECONDS, elapsed, database)
+            self._ctx.counters.observe(WRITE_CONFIRM_SECONDS, elapsed)
             payload = {**payload, "confirmed": outcome.confirmed, "nodes": outcome.nodes}
         response = _ok(payload)
         response.headers[TOKEN_HEADER] = token

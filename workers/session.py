@@ -624,7 +624,7 @@ class PeerSession:
             started = self._loop.time()
             applied = await self._commit(db, entries, marks)
             if entries:  # not the empty batch that only says caught up
-                ctx.counters.observe(BATCH_APPLY_SECONDS, self._loop.time() - started, self.database)
+                ctx.counters.observe(BATCH_APPLY_SECONDS, self._loop.time() - started)
             self._applied_batch = True
             batches += 1
             async with sending:
@@ -634,7 +634,7 @@ class PeerSession:
             self.received += len(entries)
             self.received_bytes += sum(len(entry.value) + len(entry.id) for entry in entries)
             if entries:
-                ctx.counters.inc("replicator_records_received_total", *labels, value=len(entries))
+                ctx.counters.inc("replicator_records_received_total", self.peer, value=len(entries))
             if applied:
                 ctx.counters.inc("replicator_records_applied_total", *labels, value=applied)
             was = (self.caught_up, self.peer_recovering)

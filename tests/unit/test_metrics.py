@@ -1,6 +1,7 @@
 """The coordinator's metrics on a node in virtual time: lag only once measured, setup-to-connected timed from the
 dispatch, worker histograms merged from bucket counts, worker processes read with psutil, certificate expiry read
-from the files, build info; and the byte counting of a session's socket (`workers.frames.Metered`)."""
+from the files, build info, a copy's series only while it runs; and the byte counting of a session's socket
+(`workers.frames.Metered`)."""
 
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ ROWS = "replicator_registry_rows_refused_total"
 FOREIGN = "replicator_foreign_origin_refusals_total"
 
 
-def test_the_alerts_counters_show_zero_for_each_known_peer_and_pair_until_counted(loop: VirtualTimeLoop) -> None:
+def test_the_alerts_peer_counters_show_zero_and_a_pairs_refusals_appear_with_the_first(loop: VirtualTimeLoop) -> None:
     node, _ = make_node(loop)
     add(node, peer("b", 2000, holds=("db",)))
     add(node, peer("c", 3000, holds=("db", "other")))
@@ -104,31 +105,19 @@ def test_the_alerts_counters_show_zero_for_each_known_peer_and_pair_until_counte
     peers = {(("peer", "b"),): 0.0, (("peer", "c"),): 0.0}
     assert named(samples, SKEW) == peers
     assert named(samples, ROWS) == peers
-    pairs = [("b", "system"), ("b", "db"), ("c", "system"), ("c", "db"), ("c", "other")]
-    assert named(samples, FOREIGN) == {(("database", d), ("peer", p)): 0.0 for p, d in pairs}
+    assert named(samples, FOREIGN) == {}  # per pair, and rare: no series before the first
 
     refused = [messages.CounterDelta(SKEW, ["c"], 1.0), messages.CounterDelta(FOREIGN, ["c", "other"], 3.0)]
     node.on_worker_message(0, messages.Heartbeat(worker=0, rss_bytes=0, counters=refused))
     samples = scrape(node)
     assert named(samples, SKEW) == {(("peer", "b"),): 0.0, (("peer", "c"),): 1.0}
-    assert named(samples, FOREIGN)[(("database", "other"), ("peer", "c"))] == 3.0
-
-    # c leaves the registry: no more zeros for it; what it was counted stays, as counters do.
-    node.on_node_removed("c")
-    samples = scrape(node)
-    assert named(samples, SKEW) == {(("peer", "b"),): 0.0, (("peer", "c"),): 1.0}
-    assert named(samples, ROWS) == {(("peer", "b"),): 0.0}
-    assert named(samples, FOREIGN) == {
-        (("database", "system"), ("peer", "b")): 0.0,
-        (("database", "db"), ("peer", "b")): 0.0,
-        (("database", "other"), ("peer", "c")): 3.0,
-    }
+    assert named(samples, FOREIGN) == {(("database", "other"), ("peer", "c")): 3.0}
 
 
 def test_a_zero_series_entry_that_does_not_fit_its_counter_is_refused_at_import(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    assert metrics._zero_layouts()[FOREIGN] == (0, 1)  # (peer, database), as Known.PAIRS has them
+    assert metrics._zero_layouts()["replicator_antientropy_rounds_total"] == (0, 1)  # (peer, database), as Known.PAIRS
     assert metrics._zero_layouts()["replicator_records_applied_total"] == (1, 0)  # (database, peer)
     monkeypatch.setitem(metrics.ZERO_SERIES, "replicator_records_written_total", metrics.Known.PEERS)
     with pytest.raises(ValueError, match="replicator_records_written_total: labels"):
@@ -175,19 +164,17 @@ def test_worker_histograms_add_up_per_bucket(loop: VirtualTimeLoop) -> None:
     node, _ = make_node(loop)
     counters = Counters()
     for seconds in (0.003, 0.003, 0.2, 40.0):
-        counters.observe(BATCH_APPLY_SECONDS, seconds, "orders")
+        counters.observe(BATCH_APPLY_SECONDS, seconds)
     deltas = counters.drain_histograms()
     assert [(d.name, d.labels, sum(d.counts), d.sum) for d in deltas] == [
-        (BATCH_APPLY_SECONDS, ["orders"], 4, pytest.approx(40.206))
+        (BATCH_APPLY_SECONDS, [], 4, pytest.approx(40.206))
     ]
     assert counters.drain_histograms() == []  # drained: the next heartbeat carries only what is new
     node.on_worker_message(0, messages.Heartbeat(worker=0, rss_bytes=0, histograms=deltas))
-    counters.observe(BATCH_APPLY_SECONDS, 0.0005, "orders")
+    counters.observe(BATCH_APPLY_SECONDS, 0.0005)
     node.on_worker_message(1, messages.Heartbeat(worker=1, rss_bytes=0, histograms=counters.drain_histograms()))
     buckets = {
-        dict(labels)["le"]: value
-        for labels, value in named(scrape(node), BATCH_APPLY_SECONDS + "_bucket").items()
-        if dict(labels)["database"] == "orders"
+        dict(labels)["le"]: value for labels, value in named(scrape(node), BATCH_APPLY_SECONDS + "_bucket").items()
     }
     assert buckets["0.001"] == 1
     assert buckets["0.005"] == 3
@@ -196,19 +183,39 @@ def test_worker_histograms_add_up_per_bucket(loop: VirtualTimeLoop) -> None:
     assert buckets["+Inf"] == 5
     assert len(buckets) == len(BUCKETS[BATCH_APPLY_SECONDS]) + 1
     samples = scrape(node)
-    assert samples[(BATCH_APPLY_SECONDS + "_count", (("database", "orders"),))] == 5
-    assert samples[(BATCH_APPLY_SECONDS + "_sum", (("database", "orders"),))] == pytest.approx(40.2065)
+    assert samples[(BATCH_APPLY_SECONDS + "_count", ())] == 5
+    assert samples[(BATCH_APPLY_SECONDS + "_sum", ())] == pytest.approx(40.2065)
 
 
 def test_a_histogram_delta_that_does_not_fit_is_dropped(loop: VirtualTimeLoop) -> None:
     node, _ = make_node(loop)
     bad = [
         messages.HistogramDelta("replicator_nonexistent_seconds", ["x"], [1], 1.0),
-        messages.HistogramDelta(BATCH_APPLY_SECONDS, ["orders"], [1, 2], 1.0),  # wrong bucket count
-        messages.HistogramDelta(BATCH_APPLY_SECONDS, [], [0] * (len(BUCKETS[BATCH_APPLY_SECONDS]) + 1), 1.0),
+        messages.HistogramDelta(BATCH_APPLY_SECONDS, [], [1, 2], 1.0),  # wrong bucket count
+        messages.HistogramDelta(BATCH_APPLY_SECONDS, ["orders"], [0] * (len(BUCKETS[BATCH_APPLY_SECONDS]) + 1), 1.0),
     ]
     node.on_worker_message(0, messages.Heartbeat(worker=0, rss_bytes=0, histograms=bad))
-    assert named(scrape(node), BATCH_APPLY_SECONDS + "_count") == {}
+    assert named(scrape(node), BATCH_APPLY_SECONDS + "_count") == {(): 0.0}  # the node's one series, empty
+
+
+# -- a copy ----------------------------------------------------------------------------------------------------------
+
+COPY = "replicator_copy_remaining_records"
+
+
+def test_a_pairs_copy_has_a_series_only_while_it_runs(loop: VirtualTimeLoop) -> None:
+    node, _ = make_node(loop)
+    view = peer("b", 2000)
+    add(node, view)
+    loop.advance(5.0)
+    connect(node, view, "db", worker=0, session=1)
+    assert named(scrape(node), COPY) == {}  # connected, nothing to copy
+    node.on_worker_message(0, progress(view, "db", 1, peer_head_seq=900, backlog=900, received=300, applied=300))
+    assert named(scrape(node), COPY) == {(("database", "db"), ("peer", "b")): 600.0}
+    node.on_worker_message(
+        0, progress(view, "db", 1, last_received_seq=900, peer_head_seq=900, backlog=900, received=900, caught_up=True)
+    )
+    assert named(scrape(node), COPY) == {}
 
 
 # -- worker processes ------------------------------------------------------------------------------------------------
