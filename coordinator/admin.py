@@ -3,8 +3,9 @@
 GET /metrics /healthz /readyz /status /nodes /digest/{database}
 GET /backup /backup/{database} /backup/{database}/blobs[/{sha256}]   what `replicator backup` copies
     (`coordinator.admin_backup`)
-GET /ca   the cluster CA certificates this node trusts (tls.ca), PEM, so that a new node can check it was issued by
-    the same CA before it joins (`replicator clone`); certificates only, never a key
+GET /ca   the cluster CA certificates this node trusts (tls.ca as loaded at boot or by the latest reload), PEM, so
+    that a new node can check it was issued by the same CA before it joins (`replicator clone`); certificates only,
+    never a key
 PUT /nodes/{name} {"url", "databases", "replicates"[, "leader"]}: an introduction of another node, signed by this
     one (shared.membership); a node's own row always wins over it. 409 with "limit" past the introduction caps
     (membership.MAX_PENDING_PER_INTRODUCER of this node's, MAX_PENDING_INTRODUCTIONS in all).   DELETE /nodes/{name}
@@ -33,6 +34,7 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
+from cryptography import x509
 from prometheus_client.aiohttp import make_aiohttp_handler
 
 from replicator.coordinator.admin_access import MAX_CONNECTIONS, AdminAccess
@@ -50,7 +52,7 @@ from replicator.shared.http_errors import json_runner
 from replicator.shared.keys import normalize_url
 from replicator.shared.logs import capture_library_logs, log
 from replicator.shared.store import SYSTEM, BadName, NodeRow, RefusedFile, UnknownDatabase
-from replicator.shared.tls import TlsConfigError, ca_certificates, certificates_pem
+from replicator.shared.tls import TlsConfigError, ca_certificates, certificate_identity, certificates_pem
 
 _json = msgspec.json.Encoder()
 MAX_WAIT = 3600.0  # the longest `?timeout=` a run-now request may ask for
@@ -251,7 +253,8 @@ class AdminServer:
         return _reply(status_document(self._node))
 
     async def nodes(self, request: web.Request) -> web.Response:
-        rows = self._node.verifier.listing(self._node.system(), self._node.revoked)
+        system = self._node.system()
+        rows = self._node.verifier.listing(system, self._node.revoked)
         static = {peer.name: peer.url for peer in self._node.config.peers}
         listing = []
         for name in sorted(set(rows) | set(static)):
@@ -259,6 +262,11 @@ class AdminServer:
             if found is not None:
                 item = msgspec.to_builtins(found[0])
                 item["source"] = found[2]
+                if found[2] == "own":
+                    # Which certificate signed it: during a CA rotation, every row must be signed by a certificate
+                    # of the new CA before the old one leaves the bundles (RUNBOOK.md).
+                    own = self._node.verifier.own_row(system, name)
+                    item["certificate"] = _signer_summary(own[1]) if own is not None else None
             else:
                 item = {"name": name, "url": static[name], "source": "config"}
             item["static"] = name in static
@@ -267,11 +275,15 @@ class AdminServer:
         return _reply(listing)
 
     async def ca(self, request: web.Request) -> web.Response:
-        config = self._node.config
-        try:
-            certs = ca_certificates(config_module.resolve_path(config, config.tls.ca))
-        except TlsConfigError as exc:
-            return _error(500, f"cannot read the CA certificate: {exc}")
+        loaded = self._node.credentials
+        if loaded is not None:
+            certs = loaded.cas
+        else:
+            config = self._node.config
+            try:
+                certs = ca_certificates(config_module.resolve_path(config, config.tls.ca))
+            except TlsConfigError as exc:
+                return _error(500, f"cannot read the CA certificate: {exc}")
         return web.Response(body=certificates_pem(certs), content_type="application/x-pem-file")
 
     async def put_node(self, request: web.Request) -> web.Response:
@@ -335,14 +347,13 @@ class AdminServer:
         name = request.match_info["name"]
         if not NAME_RE.match(name):
             return _error(400, f"bad node name {name[:80]!r}: use 1 to 64 of A-Z a-z 0-9 _ -")
-        config = self._node.config
+        ca = self._node.verifier.ca  # the CA bundle the node loaded
+        if ca is None:
+            return _error(503, "the node has not loaded its CA certificate yet")
         try:
-            ca = revocation.load_ca_certs(config_module.resolve_path(config, config.tls.ca))
             found = revocation.parse(await self._body(request), ca)
         except revocation.BadRevocation as exc:
             return _error(400, str(exc))
-        except (OSError, ValueError) as exc:
-            return _error(500, f"cannot read the CA certificate: {exc}")
         if found.name != name:
             return _error(400, f"the revocation is of {found.name!r}, not {name!r}")
         version = self._node.system().put(revocation.TABLE, found.record_id, revocation.encode(found))
@@ -469,10 +480,26 @@ def _over_limit(node: AdminView) -> dict[str, Any]:
     }
 
 
+def _signer_summary(der: bytes) -> dict[str, Any] | None:
+    """The certificate that signed a registry row: its name, serial, issuer and end of validity."""
+    try:
+        cert = x509.load_der_x509_certificate(der)
+    except ValueError:
+        return None
+    identity = certificate_identity(cert)
+    return {
+        "name": identity.name if identity is not None else None,
+        "serial": format(cert.serial_number, "x"),
+        "issuer": cert.issuer.rfc4514_string(),
+        "not_after": cert.not_valid_after_utc.timestamp(),
+    }
+
+
 def status_document(node: AdminView) -> dict[str, Any]:
     now = node.loop.time()
     live = {slot: handle.pid for slot, handle in node.supervisor.workers.items() if handle.alive and handle.pid}
     pss = memory.node_memory(os.getpid(), live)
+    presented = node.worker_tls
     workers = [
         {
             "id": slot,
@@ -483,6 +510,9 @@ def status_document(node: AdminView) -> dict[str, Any]:
             "restarts": handle.restarts,
             "exit_code": handle.exit_code,
             "boot_error": handle.boot_error or None,
+            # The certificate the worker presents to new handshakes (its serial) and which load of the node it is.
+            "tls_serial": presented[slot].serial if slot in presented else None,
+            "tls_generation": presented[slot].generation if slot in presented else None,
         }
         for slot, handle in sorted(node.supervisor.workers.items())
     ]
@@ -566,6 +596,9 @@ def status_document(node: AdminView) -> dict[str, Any]:
             for _, state in sorted(node.sending.items())
         ],
         "clock_offsets": {peer: offset for peer, offset in sorted(node.peer_clock.items())},
+        # The TLS material the node loaded (boot or latest reload) and what each worker presents; the last reload.
+        "tls": node.credentials.describe(dict(presented)) if node.credentials is not None else None,
+        "reload": node.reload_health.status(),
         # Per held database, the last pass of the scrub (checksums, buckets and bucket digests verified).
         "scrub": {database: report.status() for database, report in node.antientropy.scrubs().items()},
     }

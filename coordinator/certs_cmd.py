@@ -24,7 +24,15 @@ from replicator.coordinator.admin_client import admin_headers
 from replicator.coordinator.reachability import WILDCARD, listen_host_for, unreachable_from_peers
 from replicator.shared.config import NAME_RE, ConfigError, from_mapping, load, resolve_path
 from replicator.shared.keys import normalize_url
-from replicator.shared.tls import TlsConfigError, ca_paths, create_ca, host_san, issue_node_cert, server_context
+from replicator.shared.tls import (
+    TlsConfigError,
+    ca_certificates,
+    ca_paths,
+    create_ca,
+    host_san,
+    issue_node_cert,
+    server_context,
+)
 
 CONFIG_MODE = 0o600  # the config holds the data API token and the admin token
 _MAX_WORKERS = 256
@@ -49,7 +57,8 @@ def cmd_certs_ca(out: str) -> int:
         return _fail("certs ca", str(exc), 1)
     except OSError as exc:
         return _fail("certs ca", f"--out: {_os_error(exc)}", 1)
-    print(f"wrote CA certificate {cert_path}")
+    subject = ca_certificates(cert_path)[0].subject.rfc4514_string()
+    print(f"wrote CA certificate {cert_path} (subject {subject}, its own)")
     print(f"wrote CA key {key_path} (keep it private: it signs node certificates)")
     return 0
 

@@ -1,9 +1,10 @@
 """`replicator check-config --config FILE`: load a config as `run` would, and say whether it would start.
 
 The same loader (the file, then the `REPLICATOR_*` overrides of this environment, then every range and name check),
-then the certificate files it names: readable, parseable, the key matching the certificate and private to its owner,
-the CA loading. Exit 0 with one line (or a JSON object with --json) when the node could start with it, 2 with the
-loader's message (the file, the key and what is wrong) when it could not. A file that sets a secret (data.token) and
+then the certificate files it names: readable, parseable, within their validity, the key matching the certificate
+and private to its owner, the certificate issued by a CA of the bundle and naming the node, the CA loading. Exit 0
+with one line (or a JSON object with --json) when the node could start with it, 2 with the loader's message (the
+file, the key and what is wrong) when it could not. A file that sets a secret (data.token) and
 that every user of the host may read is still a file the node starts with: exit 0, with a warning line on stderr
 (`warnings` in the JSON object), as `run` logs `config_readable`. The units run it as the first `ExecReload=` step,
 before the SIGHUP: a bad file makes `systemctl reload` fail and leaves the running node on the file it has.
@@ -17,9 +18,10 @@ import json
 import sys
 from typing import TextIO
 
-from replicator.shared.config import Config, ConfigError, load, readable_secrets, resolve_path
+from replicator.coordinator import credentials
+from replicator.shared.config import Config, ConfigError, load, readable_secrets
 from replicator.shared.logs import priority_prefix
-from replicator.shared.tls import TlsConfigError, server_context
+from replicator.shared.tls import TlsConfigError
 
 EXIT_OK = 0
 EXIT_CONFIG = 2
@@ -29,11 +31,7 @@ def check(path: str) -> Config:
     """The config at `path` as `run` would use it; ConfigError when `run` would exit 2 or 3 on it before booting."""
     config = load(path)
     try:
-        server_context(
-            resolve_path(config, config.tls.ca),
-            resolve_path(config, config.tls.cert),
-            resolve_path(config, config.tls.key),
-        )
+        credentials.read(config)  # what the node loads at boot and at each reload
     except TlsConfigError as exc:
         raise ConfigError(f"{config.source}: key 'tls': {exc}") from None
     return config

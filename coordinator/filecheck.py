@@ -36,6 +36,9 @@ DAMAGED_DIR = "damaged"
 HEADER = b"SQLite format 3\x00"
 HEADER_SIZE = 100
 BUSY_TIMEOUT = 10.0
+# A check reports progress every this many SQLite virtual machine steps (about a millisecond's work), so a boot
+# checking one large file is seen to be working (coordinator.sd_notify.StartExtension).
+PROGRESS_STEPS = 100_000
 # Result codes that say the file could not be read, not that its content is wrong (sqlite3.h primary codes).
 _CANNOT_TELL = {
     3: "permission denied",  # SQLITE_PERM
@@ -74,12 +77,12 @@ def database_files(directory: Path) -> list[tuple[str, Path]]:
     return sorted(found)
 
 
-def check_file(path: Path, full: bool = False) -> str | None:
+def check_file(path: Path, full: bool = False, progress: Callable[[], None] | None = None) -> str | None:
     """What is wrong with the database file at `path`, or None when it is sound (or gone).
 
     `full`: PRAGMA integrity_check (reads every page and index) instead of quick_check. Raises Unreadable when the
     file cannot be checked. Nothing is followed: a link is not a regular file (`check_databases` leaves the links
-    the store refuses to it, unchecked).
+    the store refuses to it, unchecked). `progress` is called as the check moves on.
     """
     try:
         info = path.lstat()
@@ -109,7 +112,7 @@ def check_file(path: Path, full: bool = False) -> str | None:
     wrong = _header_problem(path, header, info.st_size)
     if wrong is not None:
         return wrong
-    return _pragma_check(path, full)
+    return _pragma_check(path, full, progress)
 
 
 def _header_problem(path: Path, header: bytes, size: int) -> str | None:
@@ -131,13 +134,15 @@ def _header_problem(path: Path, header: bytes, size: int) -> str | None:
     return None
 
 
-def _pragma_check(path: Path, full: bool) -> str | None:
+def _pragma_check(path: Path, full: bool, progress: Callable[[], None] | None = None) -> str | None:
     pragma = "integrity_check" if full else "quick_check"
     conn: sqlite3.Connection | None = None
     try:
         conn = sqlite3.connect(
             f"{path.resolve().as_uri()}?mode=rw", uri=True, isolation_level=None, timeout=BUSY_TIMEOUT
         )
+        if progress is not None:
+            conn.set_progress_handler(lambda: progress() or 0, PROGRESS_STEPS)
         rows = [str(row[0]) for row in conn.execute(f"PRAGMA {pragma}")]
     except sqlite3.Error as exc:
         code = getattr(exc, "sqlite_errorcode", 0) & 0xFF
@@ -154,19 +159,27 @@ def _pragma_check(path: Path, full: bool) -> str | None:
 
 
 def check_databases(
-    directory: Path, *, full: bool, recover: bool, wall: Callable[[], float]
+    directory: Path,
+    *,
+    full: bool,
+    recover: bool,
+    wall: Callable[[], float],
+    progress: Callable[[], None] | None = None,
 ) -> tuple[int, list[Damage]]:
     """Check every database file of `directory`: (how many were checked, the damaged ones, now moved aside). A file
-    the store refuses (`refusal`) is neither checked nor counted, and never moved.
+    the store refuses (`refusal`) is neither checked nor counted, and never moved. `progress` is called after each
+    file and as a check moves on.
 
     Without `recover`, raises DamagedFiles naming every damaged file; Unreadable for one it cannot check.
     """
     files = [(database, path) for database, path in database_files(directory) if refusal(path) is None]
     damaged = []
     for database, path in files:
-        reason = check_file(path, full)
+        reason = check_file(path, full, progress)
         if reason is not None:
             damaged.append(Damage(database, path, reason))
+        if progress is not None:
+            progress()
     if damaged and not recover:
         them = "it" if len(damaged) == 1 else "them"
         raise DamagedFiles(

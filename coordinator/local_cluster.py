@@ -420,6 +420,11 @@ class LocalCluster:
             self._data_ssl = client_context(self.dir / "ca" / "ca.pem")
         return self._data_ssl
 
+    def trust(self, ca_file: str | os.PathLike[str]) -> None:
+        """Verify the nodes' certificates against the CA bundle `ca_file` from the next data request on (a CA
+        rotation: the old CA and the new one, then the new one alone). Requests in flight keep the old context."""
+        self._data_ssl = client_context(ca_file)
+
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 

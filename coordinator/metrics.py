@@ -22,7 +22,8 @@ registry no longer lists the peer, or the node neither holds the database nor wa
 drops it (were it to come back, Prometheus sees a counter reset).
 Gauges describing the current state (connected, lag, pending, rss) are computed at scrape time from the
 coordinator's own state, so a pair that is gone has no series left; so are the worker processes' CPU, open files
-and memory (psutil, by the pids the supervisor knows) and the certificates' expiry (read from their files). The
+and memory (psutil, by the pids the supervisor knows), the certificates' expiry (of those the node loaded and
+presents, not of the files as they are now) and whether the last reload took. The
 coordinator's own process is the standard `process_*` and `python_info` series.
 """
 
@@ -54,12 +55,10 @@ from prometheus_client.utils import floatToGoString
 
 from replicator.coordinator.admin_access import REASONS as ADMIN_REFUSALS
 from replicator.coordinator.view import MetricsView
-from replicator.shared import config as config_module
 from replicator.shared import memory
 from replicator.shared.histograms import BATCH_APPLY_SECONDS, BUCKETS, WRITE_CONFIRM_SECONDS
 from replicator.shared.logs import log
 from replicator.shared.messages import CounterDelta, HistogramDelta
-from replicator.shared.tls import TlsConfigError, ca_certificates, certificate_chain, issued_by_any
 
 if TYPE_CHECKING:
     from replicator.coordinator.supervisor import WorkerHandle
@@ -635,6 +634,19 @@ class _StateCollector(Collector):
         )
         yield from self._processes.collect(node.supervisor.workers)
         yield _certificate_expiry(node)
+        health = node.reload_health
+        yield _gauge(
+            "replicator_config_last_reload_successful",
+            "1 when the last load of the config and TLS files (the boot, or a reload: SIGHUP) took; 0 when a reload"
+            " failed and the node runs on what it had",
+            1.0 if health.successful else 0.0,
+        )
+        yield _gauge(
+            "replicator_config_last_reload_success_timestamp_seconds",
+            "When the config and TLS files were last loaded successfully (the boot, or a reload), seconds since the"
+            " epoch",
+            health.last_success,
+        )
         connected = GaugeMetricFamily(
             "replicator_peer_connected", "1 when the pair's session is connected", labels=["peer", "database"]
         )
@@ -758,26 +770,21 @@ class _WorkerProcesses:
 
 
 def _certificate_expiry(node: MetricsView) -> GaugeMetricFamily:
-    """When the node's certificate and the CA that issued it stop being valid, read from the files in `tls` at each
-    scrape (workers load them when they start). A file that cannot be read has no series."""
+    """When the certificate the node presents and the CA that issued it stop being valid: those it loaded at boot or
+    by its latest reload (coordinator.credentials), not the files, so the series moves when the node presents a
+    renewed certificate. No series before the node has loaded them."""
     family = GaugeMetricFamily(
         "replicator_certificate_expiry_timestamp_seconds",
         "When the certificate stops being valid (not after), seconds since the epoch: the node's own (tls.cert) and"
-        " the CA of tls.ca that issued it",
+        " the CA of tls.ca that issued it, as the node loaded them (boot or latest reload)",
         labels=["certificate"],
     )
-    config = node.config
-    try:
-        chain = certificate_chain(config_module.resolve_path(config, config.tls.cert))
-    except TlsConfigError:
+    loaded = node.credentials
+    if loaded is None:
         return family
-    family.add_metric(["node"], chain[0].not_valid_after_utc.timestamp())
-    try:
-        cas = ca_certificates(config_module.resolve_path(config, config.tls.ca))
-    except TlsConfigError:
-        return family
+    family.add_metric(["node"], loaded.certificate.not_valid_after_utc.timestamp())
     # A CA re-issued with the same key (a renewal) signs the same certificates: the one valid longest counts.
-    issuers = [ca for ca in cas if any(issued_by_any(cert, [ca]) for cert in chain)]
+    issuers = loaded.issuers()
     if issuers:
         family.add_metric(["ca"], max(ca.not_valid_after_utc.timestamp() for ca in issuers))
     return family

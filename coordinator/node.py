@@ -5,7 +5,7 @@
     worker reports (connected, disconnected, progress) -> replication map
     reconcile loop: truth pass, stale workers, wedged pairs, stalled receivers
     anti-entropy: a round per pair on its schedule (on the pair's worker), a scrub per held database
-    signals: SIGTERM/SIGINT drain and exit; SIGHUP reloads peers, thresholds and the worker count
+    signals: SIGTERM/SIGINT drain and exit; SIGHUP reloads peers, thresholds, the worker count and the TLS files
 
 Exit codes: 0 after a clean shutdown, 3 when the node cannot boot (or a worker cannot).
 """
@@ -24,21 +24,23 @@ from typing import Any
 
 import msgspec
 
-from replicator.coordinator import filecheck, registry, scaling
+from replicator.coordinator import credentials, filecheck, registry, scaling
 from replicator.coordinator.admin import AdminServer
 from replicator.coordinator.antientropy import AntiEntropy
 from replicator.coordinator.blob_repairs import BlobRepairs
 from replicator.coordinator.confirmations import Confirmations
+from replicator.coordinator.credentials import Credentials
 from replicator.coordinator.database_limit import DatabaseLimit
 from replicator.coordinator.drops import Drops
 from replicator.coordinator.metrics import Metrics
 from replicator.coordinator.reachability import unreachable_from_peers
 from replicator.coordinator.recovery import Recoveries
 from replicator.coordinator.registry import SYSTEM, NodeView
+from replicator.coordinator.reload_health import ReloadHealth
 from replicator.coordinator.replication_map import Entry, PairState, ReplicationMap, StallWatch, should_fire_stall_kick
 from replicator.coordinator.retention import Retention
 from replicator.coordinator.routing import Router
-from replicator.coordinator.sd_notify import Notifier, status_text
+from replicator.coordinator.sd_notify import Notifier, StartExtension, status_text
 from replicator.coordinator.setup_scheduler import SetupScheduler
 from replicator.coordinator.supervisor import PauseMonitor, Supervisor, WorkerHandle
 from replicator.coordinator.template import WorkerTemplate
@@ -52,7 +54,7 @@ from replicator.shared.logs import LOGGED_NAMES, log
 from replicator.shared.memory import Trimmer
 from replicator.shared.notify import Doorbell
 from replicator.shared.store import Database, NodeRow, Store, UnknownDatabase
-from replicator.shared.tls import PeerIdentity, TlsConfigError, server_context
+from replicator.shared.tls import PeerIdentity, TlsConfigError
 
 EXIT_OK = 0
 EXIT_BOOT_ERROR = 3
@@ -97,10 +99,16 @@ class Node:
         self.map = ReplicationMap()
         self.metrics = Metrics(self)
         self.notifier = Notifier.from_environment()
+        self._announced_ready = False  # READY=1 was sent: a reload is announced (RELOADING=1, then READY=1)
         self.store: Store | None = None
         self.doorbell: Doorbell | None = None
+        # The TLS material the node presents and trusts, as loaded at boot or by the latest reload (never the files
+        # as they are now), and what each worker reported presenting (coordinator.credentials).
+        self.credentials: Credentials | None = None
+        self.worker_tls: dict[int, messages.TlsLoaded] = {}
+        self.reload_health = ReloadHealth(self.wall())
         self.supervisor = supervisor or Supervisor(
-            lambda: config_module.encode(self.config),
+            self._worker_boot,
             self.on_worker_message,
             self.on_worker_exit,
             self._on_boot_error,
@@ -233,29 +241,24 @@ class Node:
         except DataDirInUse as exc:
             raise BootError(str(exc)) from None
         try:
-            server_context(
-                config_module.resolve_path(config, config.tls.ca),
-                config_module.resolve_path(config, config.tls.cert),
-                config_module.resolve_path(config, config.tls.key),
-            )
+            loaded = Credentials(credentials.read(config), generation=1, loaded_at=self.wall())
         except TlsConfigError as exc:
             raise BootError(str(exc)) from None
         readable = config_module.readable_secrets(config.source) if config.source else None
         if readable is not None:
             log.warning("config_readable", path=readable.path, mode=readable.octal, keys=list(readable.keys))
         try:
-            self.signer = membership.Signer.load(
-                self.name,
-                config_module.resolve_path(config, config.tls.cert),
-                config_module.resolve_path(config, config.tls.key),
-            )
-            self.verifier = membership.Verifier(
-                revocation.load_ca_certs(config_module.resolve_path(config, config.tls.ca))
-            )
-        except (OSError, ValueError, TypeError) as exc:
+            self.signer = loaded.signer(self.name)
+        except (ValueError, TypeError) as exc:
             raise BootError(f"cannot load the certificate that signs this node's registry row: {exc}") from None
+        self.credentials = loaded
+        self.verifier = membership.Verifier(loaded.cas)
         _probe_port(config.listen.host, config.listen.port)
         # Before any process opens a database: a damaged file halts the boot here, naming it, or is moved aside.
+        # A check of many files (or of large ones with --check-integrity) may outlast the unit's TimeoutStartSec:
+        # systemd is asked for more time while it makes progress.
+        extension = StartExtension(self.notifier)
+        extending = self.loop.create_task(extension.run(), name="extend start timeout")
         try:
             checked, moved = await asyncio.to_thread(
                 filecheck.check_databases,
@@ -263,9 +266,13 @@ class Node:
                 full=self._check_integrity,
                 recover=config.replication.recover_damaged,
                 wall=self.wall,
+                progress=extension.step,
             )
         except (filecheck.DamagedFiles, filecheck.Unreadable, OSError) as exc:
             raise BootError(str(exc)) from None
+        finally:
+            extending.cancel()
+            await asyncio.gather(extending, return_exceptions=True)
         log.info("database_files_checked", files=checked, check="integrity" if self._check_integrity else "quick")
         try:
             self.store = Store(directory, self.name, clock_lead=config.replication.max_clock_skew, holdings=True)
@@ -333,6 +340,7 @@ class Node:
             return  # stopped while the workers came up: nothing more starts
         log.info("node_ready", node=self.name, workers=len(self.supervisor.live()))
         self.notifier.status(self.status_text(), "READY=1")
+        self._announced_ready = True
         self._tasks.append(self.loop.create_task(self._registry_loop(), name="registry watcher"))
         self._tasks.append(self.loop.create_task(self._reconcile_loop(), name="reconcile"))
         self._tasks.append(self.loop.create_task(self.notifier.watchdog_loop(), name="watchdog"))
@@ -352,6 +360,13 @@ class Node:
             pairs_connected=sum(1 for pair in pairs if pair.connected),
             pairs=len(pairs),
         )
+
+    def _worker_boot(self) -> bytes:
+        """What a worker starts from: the config, and the TLS material the node loaded (`messages.WorkerBoot`)."""
+        config = config_module.encode(self.config)
+        if self.credentials is None:
+            return messages.encode_boot(messages.WorkerBoot(config=config))
+        return self.credentials.boot(config)
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -880,6 +895,8 @@ class Node:
             case messages.Heartbeat(counters=counters, histograms=histograms):
                 self.metrics.apply(counters)
                 self.metrics.apply_histograms(histograms)
+            case messages.TlsLoaded():
+                self._on_tls_loaded(slot, message)
             case messages.Ready():
                 self.worker_ready.set()
                 self.confirmations.worker_ready(slot)
@@ -1055,6 +1072,7 @@ class Node:
         )
 
     def on_worker_exit(self, handle: WorkerHandle) -> None:
+        self.worker_tls.pop(handle.slot, None)
         self.antientropy.on_worker_exit(handle.slot)
         self.confirmations.worker_gone(handle.slot)
         self.blob_repairs.on_worker_exit(handle.slot)
@@ -1246,15 +1264,40 @@ class Node:
     # -- reload ---------------------------------------------------------------------------------------------------
 
     async def _reload(self) -> None:
+        """SIGHUP: the config file, and the TLS files it names, loaded again and taken only if all of it checks out.
+        A reload that fails changes nothing (`reload_failed`, replicator_config_last_reload_successful 0): the node
+        and every worker run on the config and the certificates they had."""
+        announced = self._announced_ready and not self._closing
+        if announced:
+            # systemd shows the unit reloading until READY=1; MONOTONIC_USEC says when the reload began.
+            self.notifier.notify("RELOADING=1", f"MONOTONIC_USEC={int(self.loop.time() * 1_000_000)}")
+        try:
+            await self._reload_files()
+        finally:
+            if announced:
+                self.notifier.status(self.status_text(), "READY=1")
+
+    async def _reload_files(self) -> None:
         source = self.config.source
         try:
             new = config_module.load(source)
         except ConfigError as exc:
-            log.error("reload_failed", error=str(exc))
+            self._reload_failed(str(exc), "config")
             return
         if (new.node.name, normalize_url(new.node.url)) != (self.name, normalize_url(self.config.node.url)):
-            log.error("reload_failed", error="node.name and node.url cannot change while running")
+            self._reload_failed("node.name and node.url cannot change while running", "config")
             return
+        loaded: Credentials | None = None
+        if self.credentials is not None:  # booted: what the node presents is read again, and checked first
+            try:
+                material = credentials.read(new)
+            except TlsConfigError as exc:
+                self._reload_failed(str(exc), "tls")
+                return
+            if material.same_content(self.credentials.material):
+                self.credentials.material = material  # the same certificates, perhaps from other files
+            else:
+                loaded = Credentials(material, generation=self.credentials.generation + 1, loaded_at=self.wall())
         old = self.config
         file_workers = new.node.workers
         if self._cli_workers is not None and file_workers == self._file_workers:
@@ -1269,10 +1312,60 @@ class Node:
         self.antientropy.reconfigure()
         for handle in self.supervisor.workers.values():
             self.supervisor.send(handle.slot, messages.Reconfigure(config=config_module.encode(new)))
+        if loaded is not None:
+            self._take_credentials(loaded)
         log.info("config_reloaded", peers=[peer.name for peer in new.peers], workers=new.worker_count)
+        self.reload_health.succeeded(self.wall())
         if new.worker_count != old.worker_count:
             await self.scale(new.worker_count)
         self.poke_registry()
+
+    def _reload_failed(self, reason: str, section: str) -> None:
+        log.error("reload_failed", error=reason, section=section, action="the node runs on what it had")
+        self.reload_health.failed(reason)
+
+    def _take_credentials(self, loaded: Credentials) -> None:
+        """The node presents and trusts `loaded` from now on: its registry rows are signed with it, rows and
+        revocations are checked against its CAs, and every worker takes it for its new handshakes."""
+        previous, self.credentials = self.credentials, loaded
+        changed = loaded.changes(previous) if previous is not None else ["ca", "cert", "key"]
+        self.signer = loaded.signer(self.name)
+        if "ca" in changed:
+            self.verifier = membership.Verifier(loaded.cas)
+            self._revocations_seen = -1
+        reload = messages.ReloadTls(generation=loaded.generation, material=loaded.material)
+        for slot in list(self.supervisor.workers):
+            self.supervisor.send(slot, reload)
+        # Rows signed with the previous certificate: the own row is written again by the next registry pass
+        # (`_write_own_row`), the introductions this node wrote here.
+        resigned = membership.resign(self.system(), self.signer) if self.store is not None else []
+        issuers = loaded.issuers()
+        log.info(
+            "tls_reloaded",
+            generation=loaded.generation,
+            changed=changed,
+            serial=loaded.serial,
+            not_after=loaded.certificate.not_valid_after_utc.timestamp(),
+            issuer=loaded.certificate.issuer.rfc4514_string(),
+            cas=[ca.subject.rfc4514_string() for ca in loaded.cas][:LOGGED_NAMES],
+            ca_count=len(loaded.cas),
+            issued_by_bundle=bool(issuers),
+            introductions_resigned=len(resigned),
+        )
+
+    def _on_tls_loaded(self, slot: int, message: messages.TlsLoaded) -> None:
+        self.worker_tls[slot] = message
+        current = self.credentials
+        if current is None:
+            return
+        if message.error:
+            log.error("worker_tls_reload_failed", worker=slot, generation=message.generation, error=message.error)
+            if message.generation == current.generation:
+                self.reload_health.failed(f"worker {slot}: {message.error}")
+            return
+        if message.generation < current.generation:
+            # Started from an older load, or its pipe was not open yet when the reload was sent.
+            self.supervisor.send(slot, messages.ReloadTls(generation=current.generation, material=current.material))
 
     async def scale(self, count: int) -> None:
         """Change the number of workers, moving pairs on the stagger ladder without dropping healthy sessions."""

@@ -1,9 +1,13 @@
-"""systemd's notify protocol: READY=1, WATCHDOG=1, STATUS=..., STOPPING=1 as datagrams to $NOTIFY_SOCKET.
+"""systemd's notify protocol: READY=1, WATCHDOG=1, STATUS=..., RELOADING=1, EXTEND_TIMEOUT_USEC=..., STOPPING=1
+as datagrams to $NOTIFY_SOCKET.
 
 The watchdog ping is sent by a task on the coordinator's own loop, so a wedged loop stops the pings and systemd
 restarts the node; a thread would keep pinging for a dead loop. STATUS= (the line `systemctl status` shows) is sent
 when its text changes, looked at once a second: a burst of worker or pair changes is one datagram, not one each.
-Nothing is sent when the node does not run under systemd.
+A reload is RELOADING=1 with MONOTONIC_USEC=, then READY=1. While the boot checks the database files, which may take
+longer than the unit's TimeoutStartSec (`run --check-integrity` over many or large files), EXTEND_TIMEOUT_USEC= asks
+for more time, as long as the check makes progress (`StartExtension`). Nothing is sent when the node does not run
+under systemd.
 """
 
 from __future__ import annotations
@@ -16,6 +20,11 @@ from collections.abc import Callable, Mapping
 from replicator.shared.logs import log
 
 STATUS_INTERVAL = 1.0
+# While a boot step makes progress, EXTEND_TIMEOUT_USEC= every EXTEND_INTERVAL asks for EXTEND_BY more: three
+# intervals, so a late message or two does not end the start, and a step that stopped moving for EXTEND_BY is left
+# to the unit's TimeoutStartSec.
+EXTEND_INTERVAL = 10.0
+EXTEND_BY = 30.0
 
 
 def status_text(*, ready: bool, workers_ready: int, workers: int, pairs_connected: int, pairs: int) -> str:
@@ -76,3 +85,36 @@ class Notifier:
         while True:
             self.notify("WATCHDOG=1")
             await asyncio.sleep(self.watchdog_interval)
+
+
+class StartExtension:
+    """EXTEND_TIMEOUT_USEC= while a long boot step makes progress, so that the unit's TimeoutStartSec bounds a boot
+    that is stuck, not one that is working through many files.
+
+    The step (in any thread) calls `step()` as it moves on; `run()`, a task on the loop, sends one message at once
+    and then one per `interval` in which a step was made, each asking for `extension` seconds more. A step that
+    stops moving gets no more, and systemd's own timeout applies again once the last extension has run out.
+    """
+
+    def __init__(self, notifier: Notifier, *, interval: float = EXTEND_INTERVAL, extension: float = EXTEND_BY) -> None:
+        self._notifier = notifier
+        self.interval = interval
+        self.extension = extension
+        self.steps = 0
+        self.sent = 0
+
+    def step(self) -> None:
+        """The step moved on. Called from the thread doing the work: a lost increment only delays a message."""
+        self.steps += 1
+
+    async def run(self) -> None:
+        if not self._notifier.enabled:
+            return
+        seen: int | None = None
+        message = f"EXTEND_TIMEOUT_USEC={int(self.extension * 1_000_000)}"
+        while True:
+            if self.steps != seen:
+                seen = self.steps
+                self._notifier.notify(message)
+                self.sent += 1
+            await asyncio.sleep(self.interval)

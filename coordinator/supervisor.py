@@ -181,7 +181,7 @@ class Supervisor:
         rng: Callable[[], float],
         template: WorkerTemplate | None = None,
     ) -> None:
-        self._config_bytes = config_bytes
+        self._config_bytes = config_bytes  # a worker's start, made at each spawn (messages.WorkerBoot)
         self._on_message = on_message
         self._on_exit = on_exit
         self._on_boot_error = on_boot_error

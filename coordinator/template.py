@@ -57,7 +57,7 @@ _PID = struct.Struct(">i")
 
 class StartWorker(msgspec.Struct, tag="start_worker", kw_only=True):
     slot: int
-    config: bytes
+    config: bytes  # what the worker starts from: messages.WorkerBoot (its config and the node's TLS material)
     coordinator: int  # the pid the worker waits to be adopted by
 
 

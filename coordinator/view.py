@@ -18,10 +18,12 @@ if TYPE_CHECKING:
 
     from replicator.coordinator.antientropy import AntiEntropy
     from replicator.coordinator.blob_repairs import BlobRepairs
+    from replicator.coordinator.credentials import Credentials
     from replicator.coordinator.database_limit import DatabaseLimit
     from replicator.coordinator.drops import Drops
     from replicator.coordinator.recovery import Recoveries
     from replicator.coordinator.registry import NodeView
+    from replicator.coordinator.reload_health import ReloadHealth
     from replicator.coordinator.replication_map import ReplicationMap
     from replicator.coordinator.setup_scheduler import SetupScheduler, Sweep
     from replicator.coordinator.supervisor import Supervisor
@@ -72,6 +74,12 @@ class MetricsView(Protocol):
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop: ...
+
+    @property
+    def credentials(self) -> Credentials | None: ...
+
+    @property
+    def reload_health(self) -> ReloadHealth: ...
 
 
 class RendersMetrics(Protocol):
@@ -133,6 +141,9 @@ class AdminView(MetricsView, Protocol):
 
     @property
     def sending(self) -> Mapping[tuple[str, str], messages.Sending]: ...
+
+    @property
+    def worker_tls(self) -> Mapping[int, messages.TlsLoaded]: ...
 
     def revoked(self, identity: PeerIdentity) -> str | None: ...
 

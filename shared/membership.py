@@ -115,8 +115,13 @@ class Signer:
 
     @classmethod
     def load(cls, name: str, cert_path: str | Path, key_path: str | Path) -> Signer:
-        cert = x509.load_pem_x509_certificates(Path(cert_path).read_bytes())[0]
-        key = serialization.load_pem_private_key(Path(key_path).read_bytes(), password=None)
+        return cls.of(name, Path(cert_path).read_bytes(), Path(key_path).read_bytes())
+
+    @classmethod
+    def of(cls, name: str, cert_pem: bytes, key_pem: bytes) -> Signer:
+        """The signer of a certificate chain and its key, as PEM (the first certificate is the node's)."""
+        cert = x509.load_pem_x509_certificates(cert_pem)[0]
+        key = serialization.load_pem_private_key(key_pem, password=None)
         return cls(name=name, cert_der=cert.public_bytes(serialization.Encoding.DER), key=key)
 
     def sign(self, table: str, row: NodeRow, version: int) -> bytes:
@@ -132,6 +137,24 @@ def write(db: Database, signer: Signer, table: str, row: NodeRow) -> int:
     if table == NODES and row.name != signer.name:
         raise ValueError(f"node {signer.name!r} cannot write the own row of {row.name!r}")
     return db.put_versioned(table, row.name, lambda version: signer.sign(table, row, version))
+
+
+def resign(db: Database, signer: Signer, table: str = INTRODUCTIONS) -> list[str]:
+    """Write again, signed with `signer`'s certificate, every row of `table` that its node wrote with another one
+    (a renewed certificate, one from a new CA); the ids written. A row signed by a certificate of a CA that later
+    leaves the bundle would verify nowhere. A node's own row is written again by its coordinator on its own."""
+    written = []
+    for entry in list(_live(db, table)):
+        if entry.origin != signer.name or entry.tombstone:
+            continue
+        try:
+            signed = _decoder.decode(entry.value)
+        except msgspec.DecodeError:
+            continue
+        if signed.cert != signer.cert_der and signed.row.name == entry.id:
+            write(db, signer, table, signed.row)
+            written.append(entry.id)
+    return written
 
 
 @dataclass

@@ -8,6 +8,9 @@ Frame layout on the pipe (both directions):
 
 A frame longer than MAX_PIPE_FRAME is a protocol violation and ends the pipe. One union per direction, one decoder
 each; receivers dispatch with `match`.
+
+A worker starts from a `WorkerBoot` (its config and the TLS material the node loaded), handed to it by the process
+that starts it (coordinator.supervisor, coordinator.template), not over the pipe.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import asyncio
 import struct
 
 import msgspec
+
+from replicator.shared.tls import TlsMaterial
 
 MAX_PIPE_FRAME = 8 * 1024 * 1024
 _HEADER = struct.Struct(">I")
@@ -27,6 +32,29 @@ class PipeClosed(Exception):
 
 class PipeProtocolError(Exception):
     """The other end sent a frame that is too large or does not decode."""
+
+
+# -- a worker's start --------------------------------------------------------------------------------------------
+
+
+class WorkerBoot(msgspec.Struct, kw_only=True):
+    """What a worker starts from. `tls`: the material the node loaded (at boot or by its latest reload); None, in
+    tests that start a worker alone, makes it read the files its config names."""
+
+    config: bytes  # shared.config.encode(Config)
+    tls: TlsMaterial | None = None
+    tls_generation: int = 0  # which load of the node `tls` is (echoed in TlsLoaded)
+
+
+_boot_decoder = msgspec.msgpack.Decoder(WorkerBoot)
+
+
+def encode_boot(boot: WorkerBoot) -> bytes:
+    return msgspec.msgpack.encode(boot)
+
+
+def decode_boot(data: bytes) -> WorkerBoot:
+    return _boot_decoder.decode(data)
 
 
 # -- coordinator -> worker -------------------------------------------------------------------------------------
@@ -69,6 +97,14 @@ class AntiEntropy(msgspec.Struct, tag="antientropy", kw_only=True):
 
 class Reconfigure(msgspec.Struct, tag="reconfigure", kw_only=True):
     config: bytes  # shared.config.encode(Config)
+
+
+class ReloadTls(msgspec.Struct, tag="reload_tls", kw_only=True):
+    """The node reloaded its TLS files (SIGHUP) and the coordinator checked them: new handshakes, inbound and
+    outbound, use this material from now on; live sessions go on. Answered with TlsLoaded."""
+
+    generation: int
+    material: TlsMaterial
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", kw_only=True):
@@ -128,6 +164,7 @@ ToWorker = (
     | ForceReconnect
     | AntiEntropy
     | Reconfigure
+    | ReloadTls
     | Shutdown
     | DropDatabase
     | ReleaseDatabase
@@ -149,6 +186,15 @@ class Ready(msgspec.Struct, tag="ready", kw_only=True):
 class BootFailed(msgspec.Struct, tag="boot_failed", kw_only=True):
     worker: int
     reason: str
+
+
+class TlsLoaded(msgspec.Struct, tag="tls_loaded", kw_only=True):
+    """The TLS material a worker presents from now on: sent once it is ready, and for each ReloadTls."""
+
+    worker: int
+    generation: int
+    serial: str  # hex, of the certificate it presents
+    error: str = ""  # the worker could not take the material of `generation`, and presents what it had
 
 
 class CounterDelta(msgspec.Struct, array_like=True):
@@ -340,6 +386,7 @@ class BlobsRepaired(msgspec.Struct, tag="blobs_repaired", kw_only=True):
 ToCoordinator = (
     Ready
     | BootFailed
+    | TlsLoaded
     | Heartbeat
     | SubscribeAccepted
     | Connected

@@ -7,6 +7,11 @@ and dials peers. The peer's node name is read back from the verified certificate
 `TlsConfigError` covers certificate and key files that are missing, unreadable, malformed, do not belong together,
 or (a private key) can be read by others than its owner; the message names the file and what is wrong, and the CLI
 turns it into exit code 3 at boot (2 from `check-config`).
+
+A running node reads its files once per load (the boot, each SIGHUP) into `TlsMaterial` (`read_material`: every check
+above, and the certificate naming the node), and every one of its processes builds its contexts from those bytes
+(`contexts`): the coordinator checks a reload before any worker hears of it, and a worker respawned later presents
+what the node loaded, whatever the files hold by then.
 """
 
 from __future__ import annotations
@@ -18,12 +23,13 @@ import ipaddress
 import itertools
 import os
 import re
+import secrets
 import ssl
 import stat
 import tempfile
 import threading
 from asyncio import selector_events, sslproto
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +61,9 @@ READ_BUFFER_BYTES = 32 * 1024
 # passes one), and a client that receives tickets keeps about 17 KB per connection for them (OpenSSL's handshake
 # buffer and the new sessions), so the node sends none.
 SESSION_TICKETS = 0
+# The most a certificate, key or CA bundle file may hold: a bundle of a hundred CAs is about 100 KB, and a file this
+# size is not one (the material travels to every worker in one pipe frame).
+MAX_PEM_BYTES = 1024 * 1024
 # Backdating notBefore lets a peer whose clock runs a little behind accept a certificate issued a moment ago.
 _CLOCK_SKEW = dt.timedelta(minutes=5)
 # DNS labels; '_' is tolerated because node names may contain it and the name goes into the SAN.
@@ -84,14 +93,41 @@ class PeerIdentity(msgspec.Struct, frozen=True):
     not_before: float = 0.0  # when the certificate became valid (its issue time), seconds since the epoch
 
 
+class TlsMaterial(msgspec.Struct, frozen=True, kw_only=True):
+    """What a node presents and trusts, as `read_material` read and checked it: PEM bytes, and the files they came
+    from (for messages only). Every process of the node builds its contexts from the bytes (`contexts`)."""
+
+    ca: bytes  # the CA bundle: every CA the node trusts (two during a rotation)
+    cert: bytes  # the node's certificate chain, leaf first
+    key: bytes  # the private key of the leaf
+    ca_path: str = ""
+    cert_path: str = ""
+    key_path: str = ""
+
+    def chain(self) -> list[x509.Certificate]:
+        return x509.load_pem_x509_certificates(self.cert)
+
+    def authorities(self) -> list[x509.Certificate]:
+        return x509.load_pem_x509_certificates(self.ca)
+
+    def same_content(self, other: TlsMaterial | None) -> bool:
+        return other is not None and (self.ca, self.cert, self.key) == (other.ca, other.cert, other.key)
+
+
 def create_ca(
     out_dir: PathLike,
     name: str = "replicator cluster CA",
     days: int = 3650,
     *,
     force: bool = False,
+    unique: bool = True,
 ) -> tuple[Path, Path]:
     """Create a cluster CA: `out_dir/ca.pem` and `out_dir/ca.key` (mode 0600).
+
+    `unique`: the subject's CN is `name` followed by the date and a random suffix, so that no two CAs share a
+    subject. OpenSSL picks a certificate's issuer among the CAs it trusts by subject name, so with two CAs of one
+    name in a bundle (a rotation) a certificate without key identifiers could be checked against the wrong CA and
+    refused.
 
     An existing `ca.key` is only replaced with `force=True`: replacing it orphans every node certificate the
     old key signed, so it must be deliberate.
@@ -105,8 +141,8 @@ def create_ca(
         _refuse_existing_key(key_path)
 
     key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     now = dt.datetime.now(dt.UTC)
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, ca_common_name(name, now) if unique else name)])
     ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
     cert = (
         x509.CertificateBuilder()
@@ -126,6 +162,13 @@ def create_ca(
     _write_file(key_path, _key_pem(key), KEY_MODE, replace=force)
     _write_file(cert_path, cert.public_bytes(serialization.Encoding.PEM), CERT_MODE, replace=True)
     return cert_path, key_path
+
+
+def ca_common_name(name: str, now: dt.datetime) -> str:
+    """A CA's CN of its own: `name`, the day it is made and 8 random hex digits (64 characters at most, as X.509
+    allows)."""
+    suffix = f" {now:%Y-%m-%d} {secrets.token_hex(4)}"
+    return name.strip()[: 64 - len(suffix)] + suffix
 
 
 def issue_node_cert(
@@ -308,26 +351,145 @@ def certificate_identity(cert: x509.Certificate) -> PeerIdentity | None:
     return _identity_from_der(cert.public_bytes(serialization.Encoding.DER))
 
 
+def read_material(ca: PathLike, cert: PathLike, key: PathLike | None, *, node: str | None = None) -> TlsMaterial:
+    """Read the node's TLS files once and check them as `server_context` does (readable, parseable, within their
+    validity, the key matching the certificate and private to its owner, the chain issued by a CA of the bundle,
+    OpenSSL taking all of it), and, given `node`, that the certificate names that node: peers refuse the sessions
+    of one that names another. `key` None: the key is in the certificate file. TlsConfigError names the file."""
+    ca_path = _ca_file(ca)
+    ca_data = _read(ca_path, "CA certificate")
+    cert_path = Path(cert)
+    cert_data = _read(cert_path, "certificate")
+    key_path = Path(key) if key is not None else cert_path
+    key_data = _read(key_path, "key", private=True)
+    cas, chain = _check_pems(ca_path, ca_data, cert_path, cert_data, key_path, key_data)
+    if node is not None:
+        identity = certificate_identity(chain[0])
+        if identity is None or identity.name != node:
+            named = repr(identity.name) if identity is not None else "no node name"
+            raise TlsConfigError(
+                f"{cert_path}: the certificate names {named}, not this node ({node!r}, node.name): peers would refuse"
+                f" its sessions; issue one with `replicator certs node --name {node}`"
+            )
+    found = _PEM_KEY_RE.search(key_data)
+    assert found is not None  # _check_pems parsed the key
+    material = TlsMaterial(
+        ca=certificates_pem(cas),
+        cert=certificates_pem(chain),
+        key=found.group(0),
+        ca_path=str(ca_path),
+        cert_path=str(cert_path),
+        key_path=str(key_path),
+    )
+    contexts(material)  # what only OpenSSL rejects
+    return material
+
+
+def contexts(material: TlsMaterial) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """The node port's context and the dialling context, as `server_context` and `client_context` make them from
+    files, made from `material`. A context holds what it was made with: a reload makes new ones, and the sessions
+    made with the old ones go on with them."""
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # CERT_REQUIRED and check_hostname by default
+    with _pem_file(material.cert + material.key) as path:
+        for context in (server, client):
+            context.minimum_version = ssl.TLSVersion.TLSv1_2
+            try:
+                context.load_verify_locations(cadata=material.ca.decode("ascii", errors="replace"))
+            except ssl.SSLError as exc:
+                raise TlsConfigError(
+                    f"{material.ca_path}: OpenSSL rejects the CA certificate: {exc.reason or exc}"
+                ) from None
+            try:
+                context.load_cert_chain(path)
+            except (ssl.SSLError, OSError) as exc:
+                detail = getattr(exc, "reason", None) or exc.strerror or exc
+                raise TlsConfigError(
+                    f"{material.cert_path}: OpenSSL rejects the certificate or its key {material.key_path}: {detail}"
+                ) from None
+    server.verify_mode = ssl.CERT_OPTIONAL
+    server.num_tickets = SESSION_TICKETS
+    return server, client
+
+
+@contextlib.contextmanager
+def _pem_file(data: bytes) -> Iterator[str]:
+    """A path OpenSSL can read `data` from, as it loads a certificate and its key from files only: an anonymous
+    memory file (memfd), which no other process can open and which never reaches a disk; where there is none, a
+    temporary file of mode 0600, removed at once."""
+    fd = _memory_file()
+    if fd is not None:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            yield f"/proc/self/fd/{fd}"
+        finally:
+            os.close(fd)
+        return
+    handle, name = tempfile.mkstemp(prefix=".replicator-tls-", suffix=".pem")
+    try:
+        with os.fdopen(handle, "wb") as file:
+            file.write(data)
+        yield name
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name)
+
+
+def _memory_file() -> int | None:
+    create = getattr(os, "memfd_create", None)
+    if create is None or not os.path.isdir("/proc/self/fd"):
+        return None
+    try:
+        return int(create("replicator-tls", getattr(os, "MFD_CLOEXEC", 0)))
+    except OSError:
+        return None
+
+
 def _check_files(ca: PathLike, cert: PathLike | None, key: PathLike | None) -> str:
     """Read and cross-check the files up front, because OpenSSL's own errors name neither the file nor the
     cause; returns the CA bundle as text."""
     ca_path = _ca_file(ca)
     ca_data = _read(ca_path, "CA certificate")
-    cas = _parse_certs(ca_path, ca_data, "CA certificate")
-    # An expired CA left in a bundle during a rotation is harmless; a bundle with no valid CA is not.
+    if cert is None:
+        _check_bundle(ca_path, _parse_certs(ca_path, ca_data, "CA certificate"))
+    else:
+        cert_path = Path(cert)
+        key_path = Path(key) if key is not None else cert_path
+        _check_pems(
+            ca_path,
+            ca_data,
+            cert_path,
+            _read(cert_path, "certificate"),
+            key_path,
+            _read(key_path, "key", private=True),
+        )
+    return ca_data.decode("ascii", errors="replace")
+
+
+def _check_bundle(ca_path: Path, cas: list[x509.Certificate]) -> list[x509.Certificate]:
+    """The CAs of the bundle valid now. An expired CA left in a bundle during a rotation is harmless; a bundle with
+    no valid CA is not."""
     valid_cas = [ca_cert for ca_cert in cas if _is_valid_now(ca_cert)]
     if not valid_cas:
         _check_validity(ca_path, cas[0], "CA certificate")
-    if cert is not None:
-        cert_path = Path(cert)
-        chain = _parse_certs(cert_path, _read(cert_path, "certificate"), "certificate")
-        _check_validity(cert_path, chain[0], "certificate")
-        key_path = Path(key) if key is not None else cert_path
-        private_key = _parse_key(key_path, _read(key_path, "key", private=True))
-        if _public_der(private_key.public_key()) != _public_der(chain[0].public_key()):
-            raise TlsConfigError(f"{key_path}: the key does not match the certificate {cert_path}")
-        _check_issued(cert_path, chain, ca_path, valid_cas)
-    return ca_data.decode("ascii", errors="replace")
+    return valid_cas
+
+
+def _check_pems(
+    ca_path: Path, ca_data: bytes, cert_path: Path, cert_data: bytes, key_path: Path, key_data: bytes
+) -> tuple[list[x509.Certificate], list[x509.Certificate]]:
+    """The checks of `_check_files` on the files' bytes; the CA bundle and the certificate chain."""
+    cas = _parse_certs(ca_path, ca_data, "CA certificate")
+    valid_cas = _check_bundle(ca_path, cas)
+    chain = _parse_certs(cert_path, cert_data, "certificate")
+    _check_validity(cert_path, chain[0], "certificate")
+    private_key = _parse_key(key_path, key_data)
+    if _public_der(private_key.public_key()) != _public_der(chain[0].public_key()):
+        raise TlsConfigError(f"{key_path}: the key does not match the certificate {cert_path}")
+    _check_issued(cert_path, chain, ca_path, valid_cas)
+    return cas, chain
 
 
 def _load_into(context: ssl.SSLContext, ca: PathLike, ca_pem: str, cert: PathLike | None, key: PathLike | None) -> None:
@@ -459,13 +621,16 @@ def _read(path: Path, what: str, *, private: bool = False) -> bytes:
                         f"{path}: the private key has mode {mode:04o}, open to group or others; a key must be readable"
                         f" by its owner only: chmod 600 {path}"
                     )
-            return file.read()
+            data = file.read(MAX_PEM_BYTES + 1)
     except FileNotFoundError:
         raise TlsConfigError(f"{path}: {what} file not found") from None
     except IsADirectoryError:
         raise TlsConfigError(f"{path}: is a directory, expected the {what} file") from None
     except OSError as exc:
         raise TlsConfigError(f"{path}: cannot read the {what}: {exc.strerror}") from None
+    if len(data) > MAX_PEM_BYTES:
+        raise TlsConfigError(f"{path}: larger than {MAX_PEM_BYTES} bytes, not a {what} file")
+    return data
 
 
 def _parse_certs(path: Path, data: bytes, what: str) -> list[x509.Certificate]:

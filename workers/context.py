@@ -48,6 +48,7 @@ class WorkerContext:
     # confirmations (workers.confirm).
     relays: Relays = field(default_factory=Relays)
     waiters: Waiters = field(init=False)
+    trust_changes: int = 0  # how many times the CA bundle was replaced (`trust`)
 
     def __post_init__(self) -> None:
         self.feeds = ChangeFeeds(lambda name: self.store.database(name), doorbell=self.doorbell)
@@ -98,6 +99,15 @@ class WorkerContext:
             self._registry, _ = self.verifier.read(system, self.revoked)
             self._registry_seen = seen
         return self._registry
+
+    def trust(self, ca: revocation.CA) -> None:
+        """Trust the CAs of a reloaded bundle: registry rows, revocations and certificates are checked against them
+        from now on, and what was decided with the old bundle is forgotten."""
+        self.ca = ca
+        self.verifier = membership.Verifier(ca)
+        self._registry_seen = -1
+        self._revocations_seen = -1
+        self.trust_changes += 1
 
     def revocations(self) -> list[revocation.Revocation]:
         """The revocations in the registry that the cluster CA signed, read again whenever the system database

@@ -252,6 +252,12 @@ class GuardedSite(web.BaseSite):
         self._peak = 0  # the most connections open at once since memory was last trimmed
         self._trim: asyncio.TimerHandle | None = None
 
+    def use_tls(self, ssl_context: ssl.SSLContext) -> None:
+        """New connections handshake with `ssl_context` (`_Gate` reads it as each one is accepted); a connection
+        accepted before keeps its TLS object, and with it the context it was made with."""
+        self.ssl_context = ssl_context
+        self._ssl_context = ssl_context
+
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         assert self._loop is not None, "the site has not started"

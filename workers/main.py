@@ -5,6 +5,10 @@ there is no template, and talks to it over one duplex pipe. Before the worker is
 admission gate (the latest per pair); after, they run inline. A heartbeat from inside the loop every second proves
 the loop runs. A worker that cannot boot (store, certificates, port) exits with EXIT_BOOT_ERROR so the supervisor
 stops respawning it.
+
+The worker presents the TLS material the coordinator loaded and checked (`messages.WorkerBoot`, then `ReloadTls` for
+each reload), never the files as they are when it starts: a worker respawned after a reload presents what the node
+does. A reload swaps the contexts new handshakes use, inbound and outbound; live sessions go on with theirs.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import msgspec
 import psutil
 
 from replicator.shared import config as config_module
-from replicator.shared import messages, revocation
+from replicator.shared import messages
 from replicator.shared.http_errors import error_text
 from replicator.shared.keys import pair_key
 from replicator.shared.logs import bridge_logging, log
@@ -34,7 +38,7 @@ from replicator.shared.memory import Trimmer
 from replicator.shared.notify import Doorbell
 from replicator.shared.prctl import PR_SET_PDEATHSIG, prctl
 from replicator.shared.store import Store
-from replicator.shared.tls import TlsConfigError, client_context, limit_read_buffers, server_context
+from replicator.shared.tls import TlsConfigError, TlsMaterial, contexts, limit_read_buffers, read_material
 from replicator.workers import antientropy, blob_repair, blobs, frames
 from replicator.workers.admission import WorkerAdmission
 from replicator.workers.context import SYSTEM, WorkerContext
@@ -56,29 +60,31 @@ class BootError(Exception):
     """The worker cannot start; the message says what to fix."""
 
 
-def worker_entry(worker_id: int, config_bytes: bytes, conn: Connection) -> None:
+def worker_entry(worker_id: int, boot: bytes, conn: Connection) -> None:
     """Process target (spawn context)."""
     _die_with_parent()
     fd = os.dup(conn.fileno())
     conn.close()
-    sys.exit(run_worker(worker_id, config_bytes, fd))
+    sys.exit(run_worker(worker_id, boot, fd))
 
 
-def forked_worker_entry(worker_id: int, config_bytes: bytes, pipe_fd: int, coordinator: int) -> int:
+def forked_worker_entry(worker_id: int, boot: bytes, pipe_fd: int, coordinator: int) -> int:
     """Entry of a worker forked by the coordinator's template (coordinator.template); the exit code."""
     _die_with_parent(coordinator)
-    return run_worker(worker_id, config_bytes, pipe_fd)
+    return run_worker(worker_id, boot, pipe_fd)
 
 
-def run_worker(worker_id: int, config_bytes: bytes, pipe_fd: int) -> int:
-    """The worker, from its config and its end of the pipe (owned from here on) to its exit code."""
+def run_worker(worker_id: int, boot_bytes: bytes, pipe_fd: int) -> int:
+    """The worker, from its start (`messages.WorkerBoot`) and its end of the pipe (owned from here on) to its exit
+    code."""
     # Ctrl-C in a terminal reaches the whole process group; the coordinator drains the workers itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    config = config_module.decode(config_bytes)
+    boot = messages.decode_boot(boot_bytes)
+    config = config_module.decode(boot.config)
     log.configure_from(config.log, node=config.node.name, proc="worker", worker=worker_id)
     bridge_logging(log)
     limit_read_buffers()
-    worker = Worker(worker_id, config, pipe_fd)
+    worker = Worker(worker_id, config, pipe_fd, tls=boot.tls, tls_generation=boot.tls_generation)
     try:
         import uvloop  # type: ignore[import-not-found]
     except ImportError:
@@ -112,10 +118,23 @@ def _die_with_parent(coordinator: int | None = None) -> None:
 
 
 class Worker:
-    def __init__(self, worker_id: int, config: config_module.Config, pipe_fd: int) -> None:
+    def __init__(
+        self,
+        worker_id: int,
+        config: config_module.Config,
+        pipe_fd: int,
+        *,
+        tls: TlsMaterial | None = None,
+        tls_generation: int = 0,
+    ) -> None:
         self.worker_id = worker_id
         self.config = config
         self._pipe_fd = pipe_fd
+        # The TLS material to present (the latest the coordinator sent) and the generation presented now.
+        self._tls = tls
+        self._tls_generation = tls_generation
+        self._tls_presented = -1
+        self._tls_serial = ""
         self._writer: asyncio.StreamWriter | None = None
         self._sessions: dict[str, PeerSession] = {}
         self._closing: set[PeerSession] = set()
@@ -160,6 +179,10 @@ class Worker:
             self._booted.set()
             self.report(messages.Ready(worker=self.worker_id, pid=os.getpid()))
             log.info("worker_ready", pid=os.getpid())
+            if self._tls_generation != self._tls_presented:
+                self._apply_tls()  # a reload that arrived while the worker booted
+            else:
+                self._report_tls()
             heartbeat = loop.create_task(self._heartbeat())
             watch = loop.create_task(self._watch_revocations())
             stop = loop.create_task(self._stop.wait())
@@ -223,6 +246,10 @@ class Worker:
                     self.ctx.config = self.config
                     self.ctx.store.max_databases = self.config.data.max_databases
                 log.info("worker_reconfigured")
+            case messages.ReloadTls(generation=generation, material=material):
+                self._tls, self._tls_generation = material, generation
+                if self._booted.is_set():
+                    self._apply_tls()
             case messages.Shutdown(deadline=deadline):
                 self._shutdown_deadline = deadline
                 self._stop.set()
@@ -265,15 +292,21 @@ class Worker:
         except Exception as exc:
             raise BootError(f"cannot open the store: {exc}") from None
         try:
-            tls = config.tls
-            ca = config_module.resolve_path(config, tls.ca)
-            cert = config_module.resolve_path(config, tls.cert)
-            key = config_module.resolve_path(config, tls.key)
-            server_ssl = server_context(ca, cert, key)
-            client_ssl = client_context(ca, cert, key)
+            material = self._tls
+            if material is None:  # started alone (tests): the files the config names
+                tls = config.tls
+                material = read_material(
+                    config_module.resolve_path(config, tls.ca),
+                    config_module.resolve_path(config, tls.cert),
+                    config_module.resolve_path(config, tls.key),
+                )
+            server_ssl, client_ssl = contexts(material)
+            authorities = material.authorities()
         except TlsConfigError as exc:
             store.close()
             raise BootError(str(exc)) from None
+        self._tls_presented = self._tls_generation
+        self._tls_serial = format(material.chain()[0].serial_number, "x")
         doorbell = self._doorbell(directory)
         self.ctx = WorkerContext(
             worker_id=self.worker_id,
@@ -282,7 +315,7 @@ class Worker:
             counters=Counters(),
             client_ssl=client_ssl,
             report=self.report,
-            ca=revocation.load_ca_certs(ca),
+            ca=authorities,
             doorbell=doorbell,
         )
         self.ctx.feeds.start(asyncio.get_running_loop())
@@ -322,6 +355,35 @@ class Worker:
         assert self.ctx is not None
         # The store answers: a worker whose files are locked or gone is not ready to take subscriptions.
         self.ctx.store.database(SYSTEM, create=True).last_seq()
+
+    # -- TLS material (coordinator.credentials) -------------------------------------------------------------------
+
+    def _apply_tls(self) -> None:
+        """Present the material of the latest ReloadTls from the next handshake on, inbound and outbound; the
+        sessions open now go on with the contexts they were made with."""
+        assert self.ctx is not None and self._server is not None and self._tls is not None
+        generation = self._tls_generation
+        try:
+            server_ssl, client_ssl = contexts(self._tls)
+            authorities = self._tls.authorities()
+            serial = format(self._tls.chain()[0].serial_number, "x")
+        except (TlsConfigError, ValueError) as exc:
+            log.error("worker_tls_reload_failed", generation=generation, error=str(exc))
+            self.report(
+                messages.TlsLoaded(
+                    worker=self.worker_id, generation=generation, serial=self._tls_serial, error=str(exc)
+                )
+            )
+            return
+        self._server.use_tls(server_ssl)
+        self.ctx.client_ssl = client_ssl
+        self.ctx.trust(authorities)  # registry rows and revocations are checked against the new bundle
+        self._tls_presented, self._tls_serial = generation, serial
+        log.info("worker_tls_reloaded", generation=generation, serial=serial)
+        self._report_tls()
+
+    def _report_tls(self) -> None:
+        self.report(messages.TlsLoaded(worker=self.worker_id, generation=self._tls_presented, serial=self._tls_serial))
 
     # -- commands ----------------------------------------------------------------------------------------------
 
@@ -517,11 +579,12 @@ class Worker:
         """Whenever the registry changes, end every session, inbound or outbound, whose peer's certificate is now
         revoked: within REVOCATION_CHECK of the revocation arriving here."""
         assert self.ctx is not None and self._server is not None
-        seen = -1
+        seen: tuple[int, int] = (-1, -1)
         while True:
             await asyncio.sleep(REVOCATION_CHECK)
             try:
-                version = self.ctx.store.database(SYSTEM, create=True).data_version()
+                # A new CA bundle changes which revocations verify: looked at again as a registry change is.
+                version = (self.ctx.store.database(SYSTEM, create=True).data_version(), self.ctx.trust_changes)
                 if version == seen:
                     continue
                 seen = version

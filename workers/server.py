@@ -35,6 +35,7 @@ class ReplicationServer:
         self._ctx = ctx
         self._ssl = server_ssl
         self._runner: web.AppRunner | None = None
+        self._site: GuardedSite | None = None
         self._sockets: dict[Any, PeerIdentity] = {}  # live replication sessions, by the peer's identity
         # The sender of each live session, and an event set once it no longer uses the store.
         self._senders: dict[Any, tuple[Sender, asyncio.Event]] = {}
@@ -61,6 +62,13 @@ class ReplicationServer:
             on_refused=lambda limit: counters.inc("replicator_connections_refused_total", limit),
         )
         await site.start()
+        self._site = site
+
+    def use_tls(self, server_ssl: ssl.SSLContext) -> None:
+        """Accept new connections with `server_ssl` (a reload); those open now keep the context they were made with."""
+        self._ssl = server_ssl
+        if self._site is not None:
+            self._site.use_tls(server_ssl)
 
     async def close(self) -> None:
         """Close every replication session with going-away, then stop serving."""

@@ -115,6 +115,9 @@ EXPORTED: dict[str, frozenset[str]] = {
     "replicator_worker_open_fds": frozenset({"worker"}),
     "replicator_worker_resident_bytes": frozenset({"worker"}),
     "replicator_certificate_expiry_timestamp_seconds": frozenset({"certificate"}),
+    # Issue 24: whether the last reload (config and TLS files) took, and when one last did.
+    "replicator_config_last_reload_successful": frozenset(),
+    "replicator_config_last_reload_success_timestamp_seconds": frozenset(),
     # Issue 21: admin requests and connections refused (Host, Origin, token, type, the connection cap).
     "replicator_admin_refused_total": frozenset({"reason"}),
     # Issue 21: frames refused as larger than replication.max_frame_bytes.

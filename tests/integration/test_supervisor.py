@@ -36,7 +36,8 @@ def _config(tmp_path: Path, key: str) -> bytes:
         "listen": {"port": port, "admin_port": admin},
         "tls": {"ca": str(tmp_path / "ca" / "ca.pem"), "cert": str(tmp_path / "s.pem"), "key": key},
     }
-    return config_module.encode(config_module.from_mapping(raw, ""))
+    # No TLS material: the worker reads the files the config names, as a node's worker never does.
+    return messages.encode_boot(messages.WorkerBoot(config=config_module.encode(config_module.from_mapping(raw, ""))))
 
 
 class Recorder:

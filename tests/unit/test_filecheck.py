@@ -113,3 +113,20 @@ def test_the_write_probe_names_what_stops_a_write(tmp_path: Path) -> None:
         holder.execute("ROLLBACK")
         holder.close()
     assert found is not None and "database is locked" in found, found
+
+
+def test_the_check_reports_progress_within_a_file_and_after_each(tmp_path: Path) -> None:
+    """What keeps systemd waiting for a long boot check (coordinator.sd_notify.StartExtension): steps come from
+    inside SQLite's check of a file, not only between files."""
+    make_database(tmp_path, "one", records=20_000)
+    make_database(tmp_path, "two", records=10)
+    (tmp_path / "empty.sqlite").write_bytes(b"")
+    steps: list[int] = []
+    checked, moved = check_databases(
+        tmp_path, full=True, recover=False, wall=lambda: WALL, progress=lambda: steps.append(1)
+    )
+    assert (checked, moved) == (3, [])
+    assert len(steps) > 3  # three files, and steps within the integrity_check of the large one
+    within: list[int] = []
+    check_file(tmp_path / "one.sqlite", full=True, progress=lambda: within.append(1))
+    assert within  # one file alone: steps from inside the check

@@ -375,3 +375,30 @@ def test_a_session_refuses_introductions_past_the_caps_holds_its_position_and_lo
         assert {line["limit"] for line in lines} == {membership.PER_INTRODUCER}
         (delta,) = ctx.counters.drain()
         assert delta.value == 300
+
+
+def test_a_new_certificate_signs_again_the_introductions_its_node_wrote(
+    signers: dict[str, Signer], system: Database, ca: Path, tmp_path: Path
+) -> None:
+    """After a reload with a renewed certificate (or one of a new CA), the node's introductions are written again with
+    it (the coordinator's `_take_credentials`): one left signed by a certificate of a CA that leaves the bundle would
+    verify nowhere. The node's own row is left to its coordinator; other nodes' rows are not its to sign."""
+    a, b = signers["a"], signers["b"]
+    membership.write(system, a, INTRODUCTIONS, _row("c", url="wss://127.0.0.1:3333"))
+    membership.write(system, a, NODES, _row("a"))
+    system.apply_batch([signed_entry(b, INTRODUCTIONS, _row("d"), V)])
+    assert membership.resign(system, a) == []  # the same certificate: nothing to do
+    create_ca(tmp_path / "new-ca")
+    renewed = _signer(tmp_path / "new-ca", "a", tmp_path / "renewed")
+    before = {entry.id: entry.version for entry in system.scan(INTRODUCTIONS, None, 100)}
+    assert membership.resign(system, renewed) == ["c"]
+    both = Verifier([revocation.load_ca_cert(ca / "ca.pem"), revocation.load_ca_cert(tmp_path / "new-ca" / "ca.pem")])
+    new_only = Verifier(revocation.load_ca_cert(tmp_path / "new-ca" / "ca.pem"))
+    c = system.get(INTRODUCTIONS, "c")
+    assert c is not None and c.version > before["c"]
+    assert new_only.verify(c).row.url == "wss://127.0.0.1:3333"  # signed by the new certificate
+    d = system.get(INTRODUCTIONS, "d")
+    assert d is not None and d.version == before["d"] and both.verify(d).signer.name == "b"
+    own = system.get(NODES, "a")
+    assert own is not None and "not one the cluster CA issued" in _reason(new_only, own)
+    assert membership.resign(system, renewed) == []

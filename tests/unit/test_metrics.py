@@ -1,7 +1,7 @@
 """The coordinator's metrics on a node in virtual time: lag only once measured, setup-to-connected timed from the
-dispatch, worker histograms merged from bucket counts, worker processes read with psutil, certificate expiry read
-from the files, build info, a copy's series only while it runs; and the byte counting of a session's socket
-(`workers.frames.Metered`)."""
+dispatch, worker histograms merged from bucket counts, worker processes read with psutil, certificate expiry of what
+the node loaded, the reload gauges, build info, a copy's series only while it runs; and the byte counting of a
+session's socket (`workers.frames.Metered`)."""
 
 from __future__ import annotations
 
@@ -24,11 +24,12 @@ from cryptography import x509
 from prometheus_client.parser import text_string_to_metric_families
 
 from replicator.coordinator import metrics
+from replicator.coordinator.credentials import Credentials
 from replicator.coordinator.node import Node
 from replicator.shared import messages, wire
 from replicator.shared.histograms import BATCH_APPLY_SECONDS, BUCKETS, bucket
 from replicator.shared.keys import connection_key
-from replicator.shared.tls import create_ca, issue_node_cert
+from replicator.shared.tls import create_ca, issue_node_cert, read_material
 from replicator.workers import frames
 from replicator.workers.counters import Counters
 from tests.unit.fakeloop import VirtualTimeLoop
@@ -271,21 +272,42 @@ def test_worker_processes_are_read_at_scrape_time_and_cpu_survives_a_replacement
 # -- certificates and build ------------------------------------------------------------------------------------------
 
 
-def test_certificate_expiry_is_read_from_the_files(loop: VirtualTimeLoop, tmp_path: Path) -> None:
+def test_certificate_expiry_is_that_of_the_loaded_certificate_not_the_file(
+    loop: VirtualTimeLoop, tmp_path: Path
+) -> None:
     node, _ = make_node(loop)
-    assert named(scrape(node), "replicator_certificate_expiry_timestamp_seconds") == {}  # no files: no series
+    assert named(scrape(node), "replicator_certificate_expiry_timestamp_seconds") == {}  # nothing loaded: no series
     ca_pem, _ = create_ca(tmp_path / "ca", days=400)
-    cert_pem, _ = issue_node_cert(tmp_path / "ca", "self", ["127.0.0.1"], tmp_path / "node", days=90)
-    node.config.tls.ca = str(ca_pem)
-    node.config.tls.cert = str(cert_pem)
+    cert_pem, key_pem = issue_node_cert(tmp_path / "ca", "self", ["127.0.0.1"], tmp_path / "node", days=90)
+    node.credentials = Credentials(read_material(ca_pem, cert_pem, key_pem), generation=1, loaded_at=0.0)
     expiry = named(scrape(node), "replicator_certificate_expiry_timestamp_seconds")
     cert = x509.load_pem_x509_certificate(cert_pem.read_bytes())
     ca = x509.load_pem_x509_certificate(ca_pem.read_bytes())
-    assert expiry == {
+    loaded = {
         (("certificate", "node"),): cert.not_valid_after_utc.timestamp(),
         (("certificate", "ca"),): ca.not_valid_after_utc.timestamp(),
     }
+    assert expiry == loaded
     assert 89 * 86400 < expiry[(("certificate", "node"),)] - time.time() <= 90 * 86400
+    # A renewed file is not what the node presents until it is loaded (a reload): the series stays.
+    issue_node_cert(tmp_path / "ca", "self", ["127.0.0.1"], tmp_path / "node", days=300, force=True)
+    assert named(scrape(node), "replicator_certificate_expiry_timestamp_seconds") == loaded
+
+
+def test_the_reload_gauges_start_at_the_boot_and_follow_each_reload(loop: VirtualTimeLoop) -> None:
+    node, _ = make_node(loop)
+    booted = node.reload_health.last_success
+    samples = scrape(node)
+    assert samples[("replicator_config_last_reload_successful", ())] == 1.0
+    assert samples[("replicator_config_last_reload_success_timestamp_seconds", ())] == booted
+    node.reload_health.failed("tls: bad file")
+    samples = scrape(node)
+    assert samples[("replicator_config_last_reload_successful", ())] == 0.0
+    assert samples[("replicator_config_last_reload_success_timestamp_seconds", ())] == booted
+    node.reload_health.succeeded(booted + 60.0)
+    samples = scrape(node)
+    assert samples[("replicator_config_last_reload_successful", ())] == 1.0
+    assert samples[("replicator_config_last_reload_success_timestamp_seconds", ())] == booted + 60.0
 
 
 def test_build_info(loop: VirtualTimeLoop) -> None:

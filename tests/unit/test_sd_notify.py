@@ -1,4 +1,5 @@
-"""systemd's STATUS= line: sent when its text changes, at most once per interval, never without NOTIFY_SOCKET."""
+"""systemd's STATUS= line: sent when its text changes, at most once per interval, never without NOTIFY_SOCKET; and
+EXTEND_TIMEOUT_USEC= while a boot step makes progress."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from replicator.coordinator.sd_notify import Notifier, status_text
+from replicator.coordinator.sd_notify import EXTEND_BY, EXTEND_INTERVAL, Notifier, StartExtension, status_text
 from tests.unit.fakeloop import VirtualTimeLoop
 
 
@@ -81,3 +82,44 @@ def test_nothing_is_sent_outside_systemd(loop: VirtualTimeLoop) -> None:
     task = loop.create_task(notifier.status_loop(lambda: calls.append(1) or "x"))
     loop.advance(5.0)
     assert task.done() and calls == []
+
+
+def test_the_start_is_extended_while_the_boot_step_makes_progress(
+    receiver: tuple[str, socket.socket], loop: VirtualTimeLoop
+) -> None:
+    address, sock = receiver
+    extension = StartExtension(Notifier(address, None), interval=10.0, extension=30.0)
+    task = loop.create_task(extension.run())
+    loop.advance(0)
+    assert received(sock) == ["EXTEND_TIMEOUT_USEC=30000000"]  # at once: the step may start late in the boot
+    for second in range(1, 26):  # a step per second for 25 s
+        loop.advance_to(float(second))
+        extension.step()
+    assert received(sock) == ["EXTEND_TIMEOUT_USEC=30000000"] * 2  # at 10 and at 20
+    loop.advance_to(60.0)  # the step stopped moving at 25 s: one more for the steps of 20-25 s, then nothing
+    assert received(sock) == ["EXTEND_TIMEOUT_USEC=30000000"]
+    assert extension.sent == 4
+    extension.step()
+    loop.advance_to(70.0)
+    assert received(sock) == ["EXTEND_TIMEOUT_USEC=30000000"]  # moving again: extended again
+    task.cancel()
+    loop.advance(0)
+    assert task.cancelled()
+
+
+def test_the_defaults_leave_room_for_a_late_message(receiver: tuple[str, socket.socket], loop: VirtualTimeLoop) -> None:
+    address, sock = receiver
+    assert EXTEND_BY >= 3 * EXTEND_INTERVAL
+    extension = StartExtension(Notifier(address, None))
+    task = loop.create_task(extension.run())
+    loop.advance(0)
+    assert received(sock) == [f"EXTEND_TIMEOUT_USEC={int(EXTEND_BY * 1_000_000)}"]
+    task.cancel()
+    loop.advance(0)
+
+
+def test_no_extension_is_asked_outside_systemd(loop: VirtualTimeLoop) -> None:
+    extension = StartExtension(Notifier.from_environment({}))
+    task = loop.create_task(extension.run())
+    loop.advance(0)
+    assert task.done() and extension.sent == 0
