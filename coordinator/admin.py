@@ -268,6 +268,7 @@ class AdminServer:
         static = {peer.name: peer.url for peer in self._node.config.peers}
         revocations = self._node.revocations()
         now = self._node.loop.time()
+        inbound = {peer for (peer, _), state in self._node.sending.items() if state.connected}
         listing = []
         for name in sorted(set(rows) | set(ignored) | set(static)):
             found = rows.get(name) or ignored.get(name)
@@ -284,17 +285,17 @@ class AdminServer:
                 for r in revocations
                 if r.name == name
             ]
-            item.update(self._sessions_with(name, now) if not item["self"] else _NO_SESSIONS)
+            item.update(_NO_SESSIONS if item["self"] else self._sessions_with(name, name in inbound, now))
             listing.append(item)
         return _reply(listing)
 
-    def _sessions_with(self, name: str, now: float) -> dict[str, Any]:
-        """Whether a session with node `name` is up (this node's subscriptions to it, or its to this node), how many
-        of this node's pairs with it are, and how long ago one last was (None: none since this node started)."""
+    def _sessions_with(self, name: str, inbound: bool, now: float) -> dict[str, Any]:
+        """Whether a session with node `name` is up (this node's subscriptions to it, or, `inbound`, one of its to
+        this node), how many of this node's pairs with it are, and how long ago one last was (None: none since this
+        node started)."""
         entry = self._node.map.by_peer(name)
         pairs = list(entry.pairs.values()) if entry is not None else []
         connected = sum(1 for pair in pairs if pair.connected)
-        inbound = any(state.connected for (peer, _), state in self._node.sending.items() if peer == name)
         seen = self._node.peer_seen.get(name)
         up = bool(connected) or inbound
         return {

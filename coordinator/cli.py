@@ -129,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
             "      --data /var/lib/replicator/a --ca ca --config /etc/replicator/a.toml --peer b=wss://10.0.0.2:9925\n"
             "  replicator run --config /etc/replicator/a.toml\n"
             "  replicator status --check\n"
+            "  replicator node list\n"
             "  replicator backup --admin http://127.0.0.1:9926 --out /srv/backups/a-1\n"
             "  replicator completion bash > /etc/bash_completion.d/replicator\n"
             "\n"
@@ -315,7 +316,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="The node's cluster status: its workers and its pairs (peer, database) as tables. With --check, "
         "a one-line summary, and exit 1 with one line per problem on stderr when a wanted pair is not connected or a "
         "worker is not ready (for scripts and health checks).",
-        epilog=_epilog("replicator status --admin http://127.0.0.1:9926", "replicator status --check || alert"),
+        epilog=_epilog(
+            "replicator status --admin http://127.0.0.1:9926",
+            "replicator status --check || alert",
+            "replicator status --problems --database 'orders-*' --json | jq '.connections[].databases[].database'",
+        ),
     )
     status.add_argument(
         "--admin",

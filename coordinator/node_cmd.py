@@ -254,6 +254,10 @@ async def cmd_node_remove(
             raise Failed(f"{node.url}/nodes/{name} answered {status}{_reason(answer)}")
         document["removed"] = status == 200
         warnings = []
+        if item.get("connected") and signed is None:
+            warnings.append(
+                f"{name} is connected (--force): it writes its own row again as soon as the deletion reaches it"
+            )
         if item.get("static"):
             warnings.append(
                 f"{name} is a [[peers]] entry of {asked}'s config: {asked} dials it until the entry is removed and"
