@@ -1,6 +1,9 @@
 """Admin HTTP, served by the coordinator (plain HTTP, loopback by default).
 
-GET /metrics /healthz /readyz /status /nodes /digest/{database}
+GET /metrics /healthz /readyz /status /digest/{database}
+GET /nodes[?revoked=true]   the registry (`replicator node list`): each row with where it comes from and, beside it,
+    whether a session with its node is up, how many of this node's pairs with it are, how long ago one last was,
+    and the CA-signed revocations naming it; with ?revoked=true also the rows signed by a revoked certificate
 GET /backup /backup/{database} /backup/{database}/blobs[/{sha256}]   what `replicator backup` copies
     (`coordinator.admin_backup`)
 GET /ca   the cluster CA certificates this node trusts (tls.ca as loaded at boot or by the latest reload), PEM, so
@@ -80,6 +83,10 @@ def _timeout(request: web.Request, default: float | None) -> float | web.Respons
     if not 0 < timeout <= MAX_WAIT:
         return _error(400, f"bad timeout {request.query['timeout'][:40]!r}: seconds in (0, {MAX_WAIT:g}]")
     return timeout
+
+
+# What `GET /nodes` says of sessions with the node itself.
+_NO_SESSIONS = {"connected": None, "pairs": 0, "pairs_connected": 0, "last_seen_s": None}
 
 
 class NodeUpdate(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -253,12 +260,23 @@ class AdminServer:
         return _reply(status_document(self._node))
 
     async def nodes(self, request: web.Request) -> web.Response:
+        """The registry as this node reads it, each row with whether a session with its node is up, when one last
+        was, and the CA-signed revocations that name it. With `?revoked=true`, also the rows the registry ignores
+        because the certificate that signed them is revoked (`"revoked": true`), which `DELETE /nodes/{name}` still
+        removes."""
+        with_revoked = request.query.get("revoked", "").lower() in ("1", "true", "yes")
         system = self._node.system()
         rows = self._node.verifier.listing(system, self._node.revoked)
+        ignored = {}
+        if with_revoked:
+            ignored = {name: found for name, found in self._node.verifier.listing(system).items() if name not in rows}
         static = {peer.name: peer.url for peer in self._node.config.peers}
+        revocations = self._node.revocations()
+        now = self._node.loop.time()
+        inbound = {peer for (peer, _), state in self._node.sending.items() if state.connected}
         listing = []
-        for name in sorted(set(rows) | set(static)):
-            found = rows.get(name)
+        for name in sorted(set(rows) | set(ignored) | set(static)):
+            found = rows.get(name) or ignored.get(name)
             if found is not None:
                 item = msgspec.to_builtins(found[0])
                 item["source"] = found[2]
@@ -271,8 +289,31 @@ class AdminServer:
                 item = {"name": name, "url": static[name], "source": "config"}
             item["static"] = name in static
             item["self"] = name == self._node.name
+            item["revoked"] = name in ignored
+            item["revocations"] = [
+                {"id": r.record_id, "serial": r.serial or None, "issued_before": r.issued_before}
+                for r in revocations
+                if r.name == name
+            ]
+            item.update(_NO_SESSIONS if item["self"] else self._sessions_with(name, name in inbound, now))
             listing.append(item)
         return _reply(listing)
+
+    def _sessions_with(self, name: str, inbound: bool, now: float) -> dict[str, Any]:
+        """Whether a session with node `name` is up (this node's subscriptions to it, or, `inbound`, one of its to
+        this node), how many of this node's pairs with it are, and how long ago one last was (None: none since this
+        node started)."""
+        entry = self._node.map.by_peer(name)
+        pairs = list(entry.pairs.values()) if entry is not None else []
+        connected = sum(1 for pair in pairs if pair.connected)
+        seen = self._node.peer_seen.get(name)
+        up = bool(connected) or inbound
+        return {
+            "connected": up,
+            "pairs": len(pairs),
+            "pairs_connected": connected,
+            "last_seen_s": 0.0 if up else (round(now - seen, 3) if seen is not None else None),
+        }
 
     async def ca(self, request: web.Request) -> web.Response:
         loaded = self._node.credentials

@@ -27,7 +27,7 @@ import aiohttp
 import msgspec
 
 from replicator import __version__
-from replicator.coordinator import backup_manifest
+from replicator.coordinator import admin_url, backup_manifest
 from replicator.coordinator.admin_backup import HEAD_LENGTH, MAX_HEAD, SnapshotHead
 from replicator.coordinator.admin_client import admin_headers
 from replicator.coordinator.backup_manifest import DatabaseEntry, FileEntry, Manifest
@@ -55,6 +55,7 @@ async def cmd_backup(
     token: str = "",
     timeout: float = DEFAULT_TIMEOUT,
     wall: Callable[[], float] = time.time,
+    config: str | None = None,
 ) -> int:
     directory = Path(out)
     if not await asyncio.to_thread(_empty, directory):
@@ -69,6 +70,8 @@ async def cmd_backup(
     except aiohttp.InvalidURL:
         return _fail(f"--admin {admin!r} is not a URL (e.g. http://127.0.0.1:9926)", EXIT_USAGE)
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        if (hint := await admin_url.explain(base, exc, config)) is not None:
+            return _fail(f"{hint}; {out} holds no backup", EXIT_USAGE)
         return _fail(f"cannot back up through {base}: {exc or type(exc).__name__}; {out} holds no backup", EXIT_FAILED)
     except Failed as exc:
         return _fail(f"{exc}; {out} holds no backup", EXIT_FAILED)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import json
 import os
 import secrets
 import sys
@@ -20,6 +21,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import msgspec
 
+from replicator.coordinator import admin_url
 from replicator.coordinator.admin_client import admin_headers
 from replicator.coordinator.reachability import WILDCARD, listen_host_for, unreachable_from_peers
 from replicator.shared.config import NAME_RE, ConfigError, from_mapping, load, resolve_path
@@ -35,6 +37,7 @@ from replicator.shared.tls import (
 )
 
 CONFIG_MODE = 0o600  # the config holds the data API token and the admin token
+CA_COPY = "ca.pem"  # the CA certificate `init` copies beside the config (tls.ca)
 _MAX_WORKERS = 256
 
 
@@ -49,7 +52,7 @@ class _Peer:
     url: str
 
 
-def cmd_certs_ca(out: str) -> int:
+def cmd_certs_ca(out: str, as_json: bool = False) -> int:
     """Create the cluster CA in `out`."""
     try:
         cert_path, key_path = create_ca(out)
@@ -58,12 +61,15 @@ def cmd_certs_ca(out: str) -> int:
     except OSError as exc:
         return _fail("certs ca", f"--out: {_os_error(exc)}", 1)
     subject = ca_certificates(cert_path)[0].subject.rfc4514_string()
+    if as_json:
+        print(json.dumps({"ok": True, "cert": str(cert_path), "key": str(key_path), "subject": subject}, indent=2))
+        return 0
     print(f"wrote CA certificate {cert_path} (subject {subject}, its own)")
     print(f"wrote CA key {key_path} (keep it private: it signs node certificates)")
     return 0
 
 
-def cmd_certs_node(ca: str, name: str, hosts: list[str], out: str) -> int:
+def cmd_certs_node(ca: str, name: str, hosts: list[str], out: str, as_json: bool = False) -> int:
     """Issue the certificate of node `name` for `hosts`, signed by the CA in `ca`, into `out`."""
     try:
         _check_name("--name", name)
@@ -81,14 +87,28 @@ def cmd_certs_node(ca: str, name: str, hosts: list[str], out: str) -> int:
         return _fail("certs node", str(exc), 2)
     except OSError as exc:
         return _fail("certs node", f"--out: {_os_error(exc)}", 1)
+    if as_json:
+        document = {"ok": True, "name": name, "hosts": hosts, "cert": str(cert_path), "key": str(key_path)}
+        print(json.dumps(document, indent=2))
+        return 0
     print(f"wrote certificate {cert_path} for {name} (hosts: {', '.join(hosts) or 'none'})")
     print(f"wrote key {key_path}")
     return 0
 
 
-def cmd_certs_revoke(ca: str, name: str, serial: str, out: str | None, admin: str | None, token: str = "") -> int:
+def cmd_certs_revoke(
+    ca: str,
+    name: str,
+    serial: str,
+    out: str | None,
+    admin: str | None,
+    token: str = "",
+    *,
+    as_json: bool = False,
+    config: str | None = None,
+) -> int:
     """Sign a revocation with the CA key; print it or write it to `out`, and store it through `admin` if given (with
-    the admin `token`)."""
+    the admin `token`). `config`: a node's config file, for the admin port a mistaken URL is pointed to."""
     from replicator.shared import revocation
 
     try:
@@ -98,25 +118,41 @@ def cmd_certs_revoke(ca: str, name: str, serial: str, out: str | None, admin: st
     except TlsConfigError as exc:
         return _fail("certs revoke", str(exc), 1)
     document = msgspec.json.encode(signed)
+    said = []
     if out:
         try:
             Path(out).write_bytes(document + b"\n")
         except OSError as exc:
             return _fail("certs revoke", f"{out}: {_os_error(exc)}", 1)
-        print(f"wrote the revocation of {signed.describe()} to {out}")
-    else:
+        said.append(f"wrote the revocation of {signed.describe()} to {out}")
+    elif not as_json:
         print(document.decode())
     if admin:
         url = f"{admin.rstrip('/')}/nodes/{name}/revocations"
-        problem = asyncio.run(_put(url, document, token))
+        problem, code = asyncio.run(_put(url, document, token, admin.rstrip("/"), config))
         if problem:
-            return _fail("certs revoke", problem, 1)
-        print(f"stored at {admin}: every node ends the sessions of {signed.describe()}")
+            for line in said:
+                print(line)
+            return _fail("certs revoke", problem, code)
+        said.append(f"stored at {admin}: every node ends the sessions of {signed.describe()}")
+    if as_json:
+        summary = {
+            "ok": True,
+            "revocation": msgspec.to_builtins(signed),
+            "id": signed.record_id,
+            "revokes": signed.describe(),
+            "out": out or None,
+            "stored": admin or None,
+        }
+        print(json.dumps(summary, indent=2))
+    else:
+        for line in said:
+            print(line)
     return 0
 
 
-async def _put(url: str, body: bytes, token: str = "") -> str | None:
-    """PUT the JSON `body` to `url`; None when it answered 200, else what went wrong."""
+async def _put(url: str, body: bytes, token: str, admin: str, config: str | None) -> tuple[str | None, int]:
+    """PUT the JSON `body` to `url`; (None, 0) when it answered 200, else what went wrong and the exit code."""
     try:
         async with (
             aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=15)) as http,
@@ -124,8 +160,10 @@ async def _put(url: str, body: bytes, token: str = "") -> str | None:
         ):
             text = await response.text()
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-        return f"cannot reach {url}: {exc}"
-    return None if response.status == 200 else f"{url} answered {response.status}: {text.strip()}"
+        if (hint := await admin_url.explain(admin, exc, config)) is not None:
+            return hint, 2
+        return f"cannot reach {url}: {exc}", 1
+    return (None, 0) if response.status == 200 else (f"{url} answered {response.status}: {text.strip()}", 1)
 
 
 def cmd_init(
@@ -139,11 +177,18 @@ def cmd_init(
     peers: list[str],
     host: str | None = None,
     workers: int | None = None,
+    *,
+    token: str | None = None,
+    token_file: str | None = None,
+    as_json: bool = False,
 ) -> int:
-    """Write a ready-to-run config at `config` and the node's certificate beside it, issued by the CA `ca`.
+    """Write a ready-to-run config at `config` and, beside it, the node's certificate issued by the CA `ca` and a
+    copy of the CA certificate (`tls.ca`), so that the config never points into the folder that holds the CA key.
 
     The node listens on `host`, by default on the URL's own address (every interface when the URL names a DNS name).
-    Paths in the file are relative to its folder, so the folder can be moved with what it references.
+    An absolute `data` stays absolute; a relative one is written relative to the config's folder, so the folder can
+    be moved with what it references. The data token is `token`, or the one in `token_file` (a new random one written
+    there when the file does not exist yet, for the next node's init to read), else a random one for this node.
     """
     try:
         port = _check_port("--port", port)
@@ -166,6 +211,7 @@ def cmd_init(
         for path in (ca_cert, ca_key):
             if not path.is_file():
                 raise _UsageError("--ca", f"{path}: no such file (create the CA with `replicator certs ca`)")
+        data_token = _DataToken.given(token, token_file)
     except _UsageError as exc:
         return _fail("init", str(exc), 2)
 
@@ -176,24 +222,44 @@ def cmd_init(
         return _fail("init", f"--config: {config_path} already exists; refusing to overwrite it", 1)
     if folder.exists() and not folder.is_dir():
         return _fail("init", f"--config: {folder} is not a directory", 2)
+    if (folder / ca_key.name).exists() or ca_key.parent.resolve() == folder:
+        return _fail(
+            "init",
+            f"--config: {folder} holds the CA key ({ca_key.name}); write the node's config into another folder, so "
+            "that the CA key stays off the node and tls.ca does not point beside it",
+            2,
+        )
     cert_path, key_path = folder / f"{name}.pem", folder / f"{name}.key"
     for path in (cert_path, key_path):
         if path.exists():
             return _fail("init", f"{path} already exists; refusing to overwrite it (remove it first)", 1)
+    ca_copy = folder / CA_COPY
+    try:
+        ca_pem = ca_cert.read_bytes()
+        kept_ca = ca_copy.exists()
+        if kept_ca and ca_copy.read_bytes() != ca_pem:
+            return _fail(
+                "init",
+                f"{ca_copy} exists and is not {ca_cert}; refusing to overwrite it (another cluster's CA? remove it, "
+                "or write the config into another folder)",
+                1,
+            )
+    except OSError as exc:
+        return _fail("init", f"--ca: {_os_error(exc)}", 2)
 
     text = _render(
         name=name,
         url=url,
-        data_dir=_relative(Path(data).expanduser(), folder),
+        data_dir=_data_dir(data, folder),
         workers=workers or 0,
         host=host,
         port=port,
         admin_port=admin_port,
-        ca=_relative(ca_cert, folder),
+        ca=CA_COPY,
         cert=cert_path.name,
         key=key_path.name,
         peers=peer_list,
-        token=secrets.token_urlsafe(32),
+        token=data_token.value,
         admin_token=secrets.token_urlsafe(32),
     )
     # Validate with the loader before writing anything, so a rejected config leaves no files behind.
@@ -213,15 +279,17 @@ def cmd_init(
         return _fail("init", f"--name: {exc}", 2)
     except OSError as exc:
         return _fail("init", f"--config: cannot write the certificate: {_os_error(exc)}", 1)
-    print(f"wrote certificate {cert_path} (hosts: {', '.join(dict.fromkeys([name, *cert_hosts]))})")
-    print(f"wrote key {key_path}")
-
+    written = [cert_path, key_path]
     try:
+        if not kept_ca:
+            _write_new(ca_copy, ca_pem, 0o644)
+            written.append(ca_copy)
         _write_new(config_path, text.encode())
+        written.append(config_path)
     except OSError as exc:
-        _remove(cert_path, key_path)
+        _remove(*written)
         detail = "already exists" if isinstance(exc, FileExistsError) else _os_error(exc)
-        return _fail("init", f"--config: cannot write {config_path}: {detail}", 1)
+        return _fail("init", f"--config: cannot write {exc.filename or config_path}: {detail}", 1)
 
     # Self-check from disk, without REPLICATOR_* overrides: the file itself must be runnable.
     try:
@@ -232,8 +300,15 @@ def cmd_init(
             resolve_path(loaded, loaded.tls.key),
         )
     except (ConfigError, TlsConfigError) as exc:
-        _remove(config_path, cert_path, key_path)
+        _remove(*written)
         return _fail("init", f"the written config does not load back: {exc}", 1)
+    try:
+        data_token.write()
+    except OSError as exc:
+        _remove(*written)
+        return _fail("init", f"--token-file: cannot write {data_token.file}: {_os_error(exc)}", 1)
+
+    warnings = []
     if not host_given and host == WILDCARD:
         print(
             f"replicator init: --url names {url_host!r}, not an address, so the node listens on every interface "
@@ -242,17 +317,108 @@ def cmd_init(
         )
     unreachable = unreachable_from_peers(host, url)
     if unreachable is not None:
-        print(
-            f"replicator init: warning: listen.host {host} is loopback but peers dial {unreachable} (--url): no other "
-            "machine can reach this node; give --host with the URL's address, or leave --host out",
-            file=sys.stderr,
+        warning = (
+            f"listen.host {host} is loopback but peers dial {unreachable} (--url): no other machine can reach this "
+            "node; give --host with the URL's address, or leave --host out"
         )
+        warnings.append(warning)
+        print(f"replicator init: warning: {warning}", file=sys.stderr)
+    if as_json:
+        document = {
+            "ok": True,
+            "config": str(config_path),
+            "node": name,
+            "url": url,
+            "listen": {"host": host, "port": port, "admin_port": admin_port},
+            "data_dir": loaded.node.data_dir,
+            "cert": str(cert_path),
+            "key": str(key_path),
+            "ca": str(ca_copy),
+            "token": data_token.summary(),
+            "warnings": warnings,
+        }
+        print(json.dumps(document, indent=2))
+        return 0
+    print(f"wrote certificate {cert_path} (hosts: {', '.join(dict.fromkeys([name, *cert_hosts]))})")
+    print(f"wrote key {key_path}")
+    verb = "kept" if kept_ca else "wrote"
+    print(f"{verb} the CA certificate {ca_copy} (tls.ca; the CA key stays in {ca_key.parent})")
+    print(data_token.describe())
     print(
         f"wrote config {config_path} (mode 0600: it holds the data API token, [data] token, and the admin token,"
         " [listen] admin_token)"
     )
     print(f"start the node with: replicator run --config {config_path}")
     return 0
+
+
+@dataclass
+class _DataToken:
+    """The data token `init` writes into the config, and where it comes from."""
+
+    value: str
+    source: str  # "random", "--token" or "--token-file"
+    file: Path | None = None
+    new_file: bool = False  # the token file does not exist yet: `write` creates it
+
+    @classmethod
+    def given(cls, token: str | None, token_file: str | None) -> _DataToken:
+        if token is not None and token_file is not None:
+            raise _UsageError("--token", "give --token or --token-file, not both")
+        if token is not None:
+            return cls(_check_token("--token", token.strip()), "--token")
+        if token_file is None:
+            return cls(secrets.token_urlsafe(32), "random")
+        if not token_file.strip():
+            raise _UsageError("--token-file", "must not be empty")
+        path = Path(token_file).expanduser().absolute()
+        if not path.exists():
+            return cls(secrets.token_urlsafe(32), "--token-file", path, new_file=True)
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = _os_error(exc) if isinstance(exc, OSError) else "not text"
+            raise _UsageError("--token-file", f"cannot read {path}: {reason}") from None
+        return cls(_check_token(f"--token-file {path}", text.strip()), "--token-file", path)
+
+    def write(self) -> None:
+        if self.new_file and self.file is not None:
+            _write_new(self.file, (self.value + "\n").encode(), CONFIG_MODE)
+
+    def summary(self) -> dict[str, object]:
+        """What `init --json` says of the token (never the token)."""
+        return {"source": self.source, "file": str(self.file) if self.file else None, "created": self.new_file}
+
+    def describe(self) -> str:
+        if self.source == "--token-file" and self.new_file:
+            return (
+                f"wrote a new data token to {self.file} (mode 0600): give the init of every other node of the "
+                "cluster the same --token-file, so that clients use one token on every node"
+            )
+        if self.source == "--token-file":
+            return f"data token from {self.file} ([data] token)"
+        if self.source == "--token":
+            return "data token from --token ([data] token)"
+        return (
+            "data token: a random one of this node's own ([data] token); --token-file FILE gives every node of a "
+            "cluster the same"
+        )
+
+
+def _check_token(argument: str, token: str) -> str:
+    if not token:
+        raise _UsageError(argument, "the data token is empty (an empty [data] token turns the data API's auth off)")
+    if any(not 0x21 <= ord(char) <= 0x7E for char in token):
+        raise _UsageError(argument, "the data token must be one word of printable ASCII (it travels in a header)")
+    return token
+
+
+def _data_dir(data: str, folder: Path) -> str:
+    """`data` as the config holds it: absolute as given (normalized), or relative to the config's folder."""
+    path = Path(data).expanduser()
+    if path.is_absolute():
+        return os.path.normpath(path)
+    return _relative(path, folder)
 
 
 def _parse_peers(specs: list[str], own_name: str) -> list[_Peer]:
@@ -395,10 +561,10 @@ def _toml_str(value: str) -> str:
     return '"' + "".join(escaped) + '"'
 
 
-def _write_new(path: Path, data: bytes) -> None:
+def _write_new(path: Path, data: bytes, mode: int = CONFIG_MODE) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    # O_EXCL: a config that appeared since the existence check is not overwritten.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, CONFIG_MODE)
+    # O_EXCL: a file that appeared since the existence check is not overwritten.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:
         with os.fdopen(fd, "wb") as file:
             file.write(data)

@@ -9,11 +9,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.metadata
+import json
 import os
+import re
+import select
 import sys
 import textwrap
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from replicator.coordinator.admin_client import ADMIN_TOKEN_ENV
 from replicator.shared.config import Config, ConfigError, load
@@ -23,6 +26,10 @@ if TYPE_CHECKING:
     from replicator.coordinator.template import WorkerTemplate
 
 EXIT_USAGE = 2
+# 128 + SIGPIPE: what a shell reports for a writer whose reader went away (`replicator status --json | head -1`), as
+# it does for cat or grep. The command stops quietly; SIGPIPE itself stays ignored, as Python sets it, since the node
+# (`run`) writes to sockets.
+EXIT_PIPE = 141
 ADMIN_ENV = "REPLICATOR_ADMIN"
 DEFAULT_ADMIN = "http://127.0.0.1:9926"
 EXIT_CODES = (
@@ -92,6 +99,11 @@ def _complete(action: argparse.Action, kind: dict[str, str]) -> None:
     action.complete = kind  # type: ignore[attr-defined]  # read by shtab
 
 
+def _json_flag(parser: argparse.ArgumentParser, shape: str) -> None:
+    """--json on a command: what it prints then (README, "JSON output"); a failure prints `{"ok": false, ...}`."""
+    parser.add_argument("--json", action="store_true", help=f"print JSON on stdout instead of text: {shape}")
+
+
 def _token_config(parser: argparse.ArgumentParser) -> None:
     """--config on a command that calls an admin port: where its admin token comes from."""
     _complete(
@@ -117,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
             "      --data /var/lib/replicator/a --ca ca --config /etc/replicator/a.toml --peer b=wss://10.0.0.2:9925\n"
             "  replicator run --config /etc/replicator/a.toml\n"
             "  replicator status --check\n"
+            "  replicator node list\n"
             "  replicator backup --admin http://127.0.0.1:9926 --out /srv/backups/a-1\n"
             "  replicator completion bash > /etc/bash_completion.d/replicator\n"
             "\n"
@@ -152,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="json lines or text for a terminal (default: log.format of the config, json unless set)",
     )
     run.add_argument(
+        "--json",
+        action="store_true",
+        help="log JSON lines on stderr whatever log.format says (--log-format json); stdout stays empty",
+    )
+    run.add_argument(
         "--check-integrity",
         action="store_true",
         help="check every database file at boot with PRAGMA integrity_check (every page and index) instead of "
@@ -180,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--workers", type=int, default=2, help="worker processes per node")
     demo.add_argument("--records", type=int, default=2000, help="records written, spread over every node")
     _complete(demo.add_argument("--dir", help="keep the cluster's files here instead of a temporary folder"), DIRECTORY)
+    _json_flag(demo, 'the lines go to stderr, then one object: {"converged", "nodes", "seconds", "status", ...}')
 
     certs = commands.add_parser(
         "certs",
@@ -203,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_epilog("replicator certs ca --out ca"),
     )
     _complete(ca.add_argument("--out", required=True, help="the folder to write ca.pem and ca.key into"), DIRECTORY)
+    _json_flag(ca, '{"ok", "cert", "key"}')
     node_cert = certs_commands.add_parser(
         "node",
         help="issue a node certificate signed by the CA",
@@ -217,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
         node_cert.add_argument("--out", required=True, help="the folder to write NAME.pem and NAME.key into"),
         DIRECTORY,
     )
+    _json_flag(node_cert, '{"ok", "name", "hosts", "cert", "key"}')
     revoke = certs_commands.add_parser(
         "revoke",
         help="sign a revocation with the CA key: one certificate serial, or every certificate of the node so far",
@@ -236,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also store it through this node's admin URL (PUT /nodes/NAME/revocations) "
         f"(default: the first URL in ${ADMIN_ENV} when set, else only print it)",
     )
+    _json_flag(revoke, '{"ok", "revocation", "id", "revokes", "out", "stored"}')
     _token_config(revoke)
 
     init = commands.add_parser(
@@ -272,6 +294,21 @@ def build_parser() -> argparse.ArgumentParser:
         "for localhost, 0.0.0.0 for a DNS name)",
     )
     init.add_argument("--workers", type=int, help="worker processes (default: 0, the CPU count)")
+    tokens = init.add_mutually_exclusive_group()
+    tokens.add_argument(
+        "--token",
+        help="the data token ([data] token) clients send; give every node of a cluster the same (default: a random "
+        "one for this node)",
+    )
+    _complete(
+        tokens.add_argument(
+            "--token-file",
+            help="read the data token from this file; when it does not exist, write a new random one there first "
+            "(mode 0600), for the init of the cluster's other nodes to read",
+        ),
+        FILE,
+    )
+    _json_flag(init, '{"ok", "config", "node", "url", "listen", "data_dir", "cert", "key", "ca", "token", "warnings"}')
 
     status = commands.add_parser(
         "status",
@@ -279,18 +316,43 @@ def build_parser() -> argparse.ArgumentParser:
         description="The node's cluster status: its workers and its pairs (peer, database) as tables. With --check, "
         "a one-line summary, and exit 1 with one line per problem on stderr when a wanted pair is not connected or a "
         "worker is not ready (for scripts and health checks).",
-        epilog=_epilog("replicator status --admin http://127.0.0.1:9926", "replicator status --check || alert"),
+        epilog=_epilog(
+            "replicator status --admin http://127.0.0.1:9926",
+            "replicator status --check || alert",
+            "replicator status --problems --database 'orders-*' --json | jq '.connections[].databases[].database'",
+        ),
     )
     status.add_argument(
         "--admin",
         default=admins[0] if admins else DEFAULT_ADMIN,
         help=f"the node's admin URL (default: the first URL in ${ADMIN_ENV} when set, else {DEFAULT_ADMIN})",
     )
-    status.add_argument("--json", action="store_true", help="print the JSON document instead of a table")
+    status.add_argument(
+        "--json",
+        action="store_true",
+        help='print the JSON document of GET /status instead of a table (narrowed by the filters, with a "filter" '
+        'object then; with --check, a "problems" list)',
+    )
     status.add_argument(
         "--check",
         action="store_true",
         help="exit 1 when a pair is not connected or a worker is not ready, naming each on stderr; exit 0 otherwise",
+    )
+    status.add_argument(
+        "--peer", action="append", default=[], metavar="NAME", help="only the pairs with this peer (repeatable)"
+    )
+    status.add_argument(
+        "--database",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="only this database, or those a shell pattern matches, e.g. 'orders-*' (repeatable)",
+    )
+    status.add_argument(
+        "--problems",
+        action="store_true",
+        help="only what is not healthy: pairs not connected or whose last anti-entropy round failed, sending ends "
+        "down, databases recovering, scrubs that found damage",
     )
     _token_config(status)
 
@@ -373,6 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help=f"the admin token to send as Authorization: Bearer TOKEN (instead of ${ADMIN_TOKEN_ENV} or --config)",
     )
+    _json_flag(delete_database, '{"ok", "deleted", "name", "version", "floors"}')
     _token_config(delete_database)
 
     clone = commands.add_parser(
@@ -402,6 +465,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     clone.add_argument(
         "--no-run", action="store_true", help="stop cleanly once every database is copied (exit 0) instead of running"
+    )
+    _json_flag(
+        clone,
+        'one object per line (JSON Lines): {"event": "progress", "message"} for each line, and last {"event": '
+        '"done" or "failed", "ok", "exit_code"}',
     )
     repair_blobs = commands.add_parser(
         "repair-blobs",
@@ -489,12 +557,148 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     completion.add_argument("shell", choices=["bash", "zsh"], help="the shell to complete in")
+    _json_flag(completion, '{"shell", "script"}')
+    _node_parsers(commands, admins)
     return parser
 
 
+def _node_parsers(commands: Any, admins: list[str]) -> None:
+    admin_help = f"(default: the first URL in ${ADMIN_ENV} when set)"
+    node = commands.add_parser(
+        "node",
+        help="the cluster's nodes: list them, add one, remove one (through a node's admin port)",
+        description="The cluster's registry as one node reads it: list its nodes, introduce one, remove one.",
+        epilog=_epilog(
+            "replicator node list --admin http://127.0.0.1:9926",
+            "replicator node remove c --admin http://127.0.0.1:9926 --revoke --ca ca",
+        ),
+    )
+    node_commands = node.add_subparsers(
+        dest="node_command",
+        required=True,
+        parser_class=_Parser,
+        metavar="NODE_COMMAND",
+        help="one of these (`replicator node NODE_COMMAND --help` for its options)",
+    )
+    listing = node_commands.add_parser(
+        "list",
+        help="every node of the registry: its URL, databases, row, whether connected, when last seen, revoked",
+        description="List every node the registry of one node names (GET /nodes), with its URL and databases, "
+        "where its row comes from (its own, an introduction, a [[peers]] entry), whether a session with it is up and "
+        "when one last was, and whether its row is signed by a revoked certificate (then ignored by the cluster). "
+        "Exit 0, or 1 when the node cannot be reached.",
+        epilog=_epilog("replicator node list --admin http://127.0.0.1:9926 --json | jq '.nodes[].name'"),
+    )
+    add = node_commands.add_parser(
+        "add",
+        help="introduce a node to the cluster (PUT /nodes/NAME): every node admits and dials it",
+        description="Introduce a node (PUT /nodes/NAME): a row signed by the node asked that lets the cluster admit "
+        "and dial it until its own row, which always wins, arrives. Exit 0 when the node took it, 1 when it cannot be "
+        "reached or is at its introduction caps, 2 on a usage error.",
+        epilog=_epilog("replicator node add c --url wss://10.0.0.3:9925 --admin http://127.0.0.1:9926"),
+    )
+    remove = node_commands.add_parser(
+        "remove",
+        help="remove a node from the registry (DELETE /nodes/NAME), with --revoke its certificates too",
+        description="Remove a node from the registry (DELETE /nodes/NAME: its own row and every introduction of it); "
+        "the deletion replicates and every node stops replicating with it. A running node writes its own row again "
+        "as soon as the deletion reaches it: a connected node is refused unless --revoke (or --force) is given. With "
+        "--revoke --ca DIR every certificate of the node issued so far is revoked first, as `certs revoke` does; "
+        "re-adding it then takes a new certificate. Exit 0 when removed, 1 when the node cannot be reached or "
+        "refused, 2 on a usage error (an unknown node, the node asked itself, a connected node).",
+        epilog=_epilog(
+            "replicator node remove c --admin http://127.0.0.1:9926",
+            "replicator node remove c --admin http://127.0.0.1:9926 --revoke --ca ca",
+        ),
+    )
+    for sub in (listing, add, remove):
+        sub.add_argument(
+            "--admin",
+            required=sub is not listing and not admins,
+            default=admins[0] if admins else (DEFAULT_ADMIN if sub is listing else None),
+            help=f"a node's admin URL, e.g. {DEFAULT_ADMIN} {admin_help}"
+            + (f" (else {DEFAULT_ADMIN})" if sub is listing else ""),
+        )
+    for sub in (add, remove):
+        sub.add_argument("name", help="the node's name")
+    add.add_argument("--url", required=True, help="the node's URL, wss://HOST:PORT (its node.url)")
+    add.add_argument(
+        "--database",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="a database it replicates, or '*' (repeatable; default: every database)",
+    )
+    add.add_argument(
+        "--no-replicates",
+        action="store_true",
+        help="it replicates only with its configured peers, not with every node (its replication.mesh false)",
+    )
+    _complete(
+        remove.add_argument("--ca", help="the CA folder (ca.pem and ca.key) that signs the revocation, for --revoke"),
+        DIRECTORY,
+    )
+    remove.add_argument(
+        "--revoke",
+        action="store_true",
+        help="revoke every certificate of the node issued so far too (with --ca), as `certs revoke` does",
+    )
+    remove.add_argument(
+        "--force", action="store_true", help="remove the row of a node that is connected, without revoking it"
+    )
+    _json_flag(listing, '{"node", "admin", "nodes": [{"name", "url", "databases", "source", "connected", ...}]}')
+    _json_flag(add, '{"ok", "name", "version", "introduced_by", "url", "through"}')
+    _json_flag(remove, '{"ok", "name", "through", "removed", "revoked", "warnings"}')
+    for sub in (listing, add, remove):
+        _token_config(sub)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command and return its exit code. Under --json, a failure that printed nothing on stdout prints
+    `{"ok": false, "command", "exit_code", "error"}` there (`_JsonFailures`). A reader of stdout that went away
+    (`| head`) ends the command quietly with EXIT_PIPE, not a traceback."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    failures = _JsonFailures() if "--json" in argv else None
+    try:
+        try:
+            code = _main(argv, failures)
+        except SystemExit as exc:  # argparse: a usage error (2), or --help and --version (0)
+            if failures is not None and exc.code == EXIT_USAGE:
+                failures.report(_command(argv), EXIT_USAGE)
+            raise
+        if failures is not None and code != 0:
+            failures.report(_command(argv), code)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise
+        _discard_stdout()
+        return EXIT_PIPE
+    finally:
+        if failures is not None:
+            failures.stop()
+    return code
+
+
+def _command(argv: list[str]) -> str | None:
+    """The command named in `argv`, with its subcommand for the groups (`certs revoke`, `node list`)."""
+    words = [word for word in argv if not word.startswith("-")]
+    if not words:
+        return None
+    return " ".join(words[:2]) if words[0] in ("certs", "node") and len(words) > 1 else words[0]
+
+
+def _main(argv: list[str], failures: _JsonFailures | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if failures is not None and args.command in ("run", "clone"):
+        # A node runs in this process (and forks its workers from it): its streams stay the real ones. `run
+        # --json` logs JSON lines, and `clone --json` prints its own last line, failed or done.
+        failures.stop()
+    if (refused := _check_admin_urls(args)) is not None:
+        print(f"replicator {args.command}: {refused}", file=sys.stderr)
+        return EXIT_USAGE
+    config = getattr(args, "config", None)
     match args.command:
         case "run":
             return _run(args)
@@ -505,18 +709,20 @@ def main(argv: list[str] | None = None) -> int:
         case "demo":
             from replicator.coordinator.demo import run_demo
 
-            return _asyncio_run(run_demo(args.nodes, args.workers, args.records, args.dir))
+            return _asyncio_run(run_demo(args.nodes, args.workers, args.records, args.dir, as_json=args.json))
         case "certs":
             from replicator.coordinator import certs_cmd
 
             if args.certs_command == "ca":
-                return certs_cmd.cmd_certs_ca(args.out)
+                return certs_cmd.cmd_certs_ca(args.out, as_json=args.json)
             if args.certs_command == "revoke":
                 token = _admin_token(args) if args.admin else ""
                 if token is None:
                     return EXIT_USAGE
-                return certs_cmd.cmd_certs_revoke(args.ca, args.name, args.serial, args.out, args.admin, token)
-            return certs_cmd.cmd_certs_node(args.ca, args.name, args.host, args.out)
+                return certs_cmd.cmd_certs_revoke(
+                    args.ca, args.name, args.serial, args.out, args.admin, token, as_json=args.json, config=config
+                )
+            return certs_cmd.cmd_certs_node(args.ca, args.name, args.host, args.out, as_json=args.json)
         case "init":
             from replicator.coordinator import certs_cmd
 
@@ -531,39 +737,55 @@ def main(argv: list[str] | None = None) -> int:
                 args.peer,
                 host=args.host,
                 workers=args.workers,
+                token=args.token,
+                token_file=args.token_file,
+                as_json=args.json,
             )
         case "status":
             from replicator.coordinator.inspect import cmd_status
 
             if (token := _admin_token(args)) is None:
                 return EXIT_USAGE
-            return _asyncio_run(cmd_status(args.admin, args.json, check=args.check, token=token))
+            return _asyncio_run(
+                cmd_status(
+                    args.admin,
+                    args.json,
+                    check=args.check,
+                    token=token,
+                    peers=args.peer,
+                    databases=args.database,
+                    problems=args.problems,
+                    config=config,
+                )
+            )
         case "verify":
             from replicator.coordinator.inspect import cmd_verify
 
             admins = args.admin or admin_urls()
             if (token := _admin_token(args)) is None:
                 return EXIT_USAGE
-            return _asyncio_run(cmd_verify(admins, repair=args.repair, as_json=args.json, token=token))
+            return _asyncio_run(cmd_verify(admins, repair=args.repair, as_json=args.json, token=token, config=config))
         case "diff":
             from replicator.coordinator.diff import cmd_diff
 
             if (token := _admin_token(args)) is None:
                 return EXIT_USAGE
             pair = args.admin or admin_urls()[:2]
-            return _asyncio_run(cmd_diff(args.database, pair, limit=args.limit, as_json=args.json, token=token))
+            return _asyncio_run(
+                cmd_diff(args.database, pair, limit=args.limit, as_json=args.json, token=token, config=config)
+            )
         case "delete-database":
             from replicator.coordinator.delete_database import cmd_delete_database
 
             if (token := args.token or _admin_token(args)) is None:
                 return EXIT_USAGE
-            return _asyncio_run(cmd_delete_database(args.admin, args.name, token))
+            return _asyncio_run(cmd_delete_database(args.admin, args.name, token, as_json=args.json, config=config))
         case "repair-blobs":
             from replicator.coordinator.repair_blobs import cmd_repair_blobs
 
             if (token := _admin_token(args)) is None:
                 return EXIT_USAGE
-            return _asyncio_run(cmd_repair_blobs(args.admin, args.database, args.json, args.timeout, token))
+            return _asyncio_run(cmd_repair_blobs(args.admin, args.database, args.json, args.timeout, token, config))
         case "backup":
             from replicator.coordinator.backup import cmd_backup
 
@@ -572,7 +794,9 @@ def main(argv: list[str] | None = None) -> int:
                 return EXIT_USAGE
             if (token := _admin_token(args)) is None:
                 return EXIT_USAGE
-            return _asyncio_run(cmd_backup(args.admin, args.out, as_json=args.json, token=token, timeout=args.timeout))
+            return _asyncio_run(
+                cmd_backup(args.admin, args.out, as_json=args.json, token=token, timeout=args.timeout, config=config)
+            )
         case "restore":
             from replicator.coordinator.restore import cmd_restore
 
@@ -582,16 +806,134 @@ def main(argv: list[str] | None = None) -> int:
 
             template = _start_template()
             try:
-                return _asyncio_run(cmd_clone(args.leader, args.config, no_run=args.no_run, template=template))
+                return _asyncio_run(
+                    cmd_clone(args.leader, args.config, no_run=args.no_run, template=template, as_json=args.json)
+                )
             finally:
                 if template is not None:
                     template.close()
+        case "node":
+            return _node(args)
         case "completion":
             import shtab
 
-            print(shtab.complete(parser, args.shell))
+            script = shtab.complete(parser, args.shell)
+            print(json.dumps({"shell": args.shell, "script": script}) if args.json else script)
             return 0
     return EXIT_USAGE
+
+
+def _node(args: argparse.Namespace) -> int:
+    from replicator.coordinator import node_cmd
+
+    if (token := _admin_token(args)) is None:
+        return EXIT_USAGE
+    common = {"as_json": args.json, "token": token, "config": args.config}
+    if args.node_command == "list":
+        return _asyncio_run(node_cmd.cmd_node_list(args.admin, **common))
+    if args.node_command == "add":
+        replicates = not args.no_replicates
+        return _asyncio_run(
+            node_cmd.cmd_node_add(args.admin, args.name, args.url, args.database, replicates=replicates, **common)
+        )
+    return _asyncio_run(
+        node_cmd.cmd_node_remove(args.admin, args.name, revoke=args.revoke, ca=args.ca, force=args.force, **common)
+    )
+
+
+def _check_admin_urls(args: argparse.Namespace) -> str | None:
+    """What is wrong with an admin URL the command was given (`coordinator.admin_url.check`), or None."""
+    from replicator.coordinator import admin_url
+
+    urls: list[tuple[str, str]] = []
+    if args.command == "clone":
+        urls.append(("--leader", args.leader))
+    elif args.command == "verify" or args.command == "diff":
+        urls += [("--admin", url) for url in args.admin or admin_urls()]
+    elif isinstance(getattr(args, "admin", None), str):
+        urls.append(("--admin", args.admin))
+    # clone --config names the new node, whose admin port need not be the leader's.
+    config = None if args.command == "clone" else getattr(args, "config", None)
+    for option, url in urls:
+        try:
+            admin_url.check(url, option, config)
+        except admin_url.AdminUrlError as exc:
+            return str(exc)
+    return None
+
+
+class _Recorder:
+    """stdout or stderr while `_JsonFailures` records them: whether anything was written, and the last line that
+    was a message of the command line's own (`replicator COMMAND: reason`), which names a failure."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.written = False
+        self.message = ""
+        self._partial = ""
+
+    def write(self, text: str) -> int:
+        if text:
+            self.written = True
+            lines = (self._partial + text).split("\n")
+            self._partial = lines.pop()[-4096:]
+            for line in lines:
+                found = _MESSAGE.match(line)
+                if found:
+                    self.message = found.group(1)
+        return self.stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+# A line of the command line's own: "replicator COMMAND [SUBCOMMAND]: reason", maybe after a journal priority.
+_MESSAGE = re.compile(r"^(?:<\d>)?replicator(?: [a-z][a-z-]*)*: (?:error: )?(.*)$")
+
+
+class _JsonFailures:
+    """Under --json, what makes every failure a JSON object too: stdout and stderr are recorded from creation to
+    `stop()`, and a failing command that printed nothing on stdout gets `{"ok": false, "command", "exit_code",
+    "error"}` printed there, `error` being its last message on stderr. The commands themselves print their failures
+    as text on stderr, as without --json."""
+
+    def __init__(self) -> None:
+        self._out, self._err = _Recorder(sys.stdout), _Recorder(sys.stderr)
+        self._recording = True
+        sys.stdout, sys.stderr = self._out, self._err  # type: ignore[assignment]
+
+    def stop(self) -> None:
+        if self._recording:
+            self._recording = False
+            sys.stdout, sys.stderr = self._out.stream, self._err.stream
+
+    def report(self, command: str | None, code: int) -> None:
+        if self._recording and not self._out.written:
+            document = {"ok": False, "command": command, "exit_code": code, "error": self._err.message or None}
+            print(json.dumps(document))
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout is a pipe (or socket) whose reader has gone: poll reports an error on it."""
+    try:
+        fd = sys.__stdout__.fileno() if sys.__stdout__ is not None else -1
+    except (OSError, ValueError):
+        return False
+    if fd < 0:
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null: what is still buffered for it is flushed there at exit instead of raising again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        assert sys.__stdout__ is not None
+        os.dup2(devnull, sys.__stdout__.fileno())
+    finally:
+        os.close(devnull)
 
 
 def _admin_token(args: argparse.Namespace) -> str | None:
@@ -607,6 +949,9 @@ def _admin_token(args: argparse.Namespace) -> str | None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.json and args.log_format == "text":
+        log.plain("error", "replicator: --json logs JSON lines; it cannot go with --log-format text")
+        return EXIT_USAGE
     try:
         config = load(args.config)
     except ConfigError as exc:
@@ -617,8 +962,8 @@ def _run(args: argparse.Namespace) -> int:
             log.plain("error", f"replicator: --workers: expected 1 to 256, got {args.workers}")
             return EXIT_USAGE
         config.node.workers = args.workers
-    if args.log_format:
-        config.log.format = args.log_format
+    if args.log_format or args.json:
+        config.log.format = "json" if args.json else args.log_format
     log.configure_from(config.log, node=config.node.name, proc="coordinator")
     bridge_logging(log)
     template = _start_template()

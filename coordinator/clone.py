@@ -40,6 +40,7 @@ from urllib.parse import quote, urlsplit
 import aiohttp
 from cryptography import x509
 
+from replicator.coordinator import admin_url
 from replicator.coordinator.admin_client import ADMIN_TOKEN_ENV, admin_headers
 from replicator.coordinator.recovery import Phase
 from replicator.shared.backoff import Backoff, Jitter
@@ -315,12 +316,18 @@ class HttpRequest:
         try:
             async with self._session.request(method, url, data=body, headers=headers) as response:
                 return Answer(response.status, await response.read())
-        except aiohttp.ClientConnectorError as exc:
-            reason = exc.os_error.strerror or str(exc.os_error) or type(exc.os_error).__name__
-            raise Retry(f"cannot connect to {exc.host}:{exc.port}: {reason}") from None
-        except TimeoutError:
-            raise Retry(f"no answer within {self._timeout:g} s") from None
-        except (aiohttp.ClientError, OSError) as exc:
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            parts = urlsplit(url)
+            # A node port or https on the admin port does not change by waiting: a usage error at once. (The
+            # config is the new node's: its admin port need not be the leader's.)
+            hint = await admin_url.explain(f"{parts.scheme}://{parts.netloc}", exc, option="--leader")
+            if hint is not None:
+                raise CloneError(hint, EXIT_USAGE) from None
+            if isinstance(exc, aiohttp.ClientConnectorError):
+                reason = exc.os_error.strerror or str(exc.os_error) or type(exc.os_error).__name__
+                raise Retry(f"cannot connect to {exc.host}:{exc.port}: {reason}") from None
+            if isinstance(exc, TimeoutError):
+                raise Retry(f"no answer within {self._timeout:g} s") from None
             raise Retry(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from None
 
     async def close(self) -> None:
@@ -604,21 +611,40 @@ async def copy(
 
 
 async def cmd_clone(
-    leader_url: str, config_path: str, *, no_run: bool = False, template: WorkerTemplate | None = None
+    leader_url: str,
+    config_path: str,
+    *,
+    no_run: bool = False,
+    template: WorkerTemplate | None = None,
+    as_json: bool = False,
 ) -> int:
-    """`template`: the worker template the node forks its workers from (coordinator.template); None: spawned."""
+    """`template`: the worker template the node forks its workers from (coordinator.template); None: spawned.
+    `as_json`: each line is a JSON object instead (JSON Lines, `{"event": "progress", "message"}`), and the last one
+    says how it ended (`{"event": "done" | "failed", "ok", "exit_code"[, "error"]}`)."""
+    say = _json_line if as_json else _line
     try:
-        return await _clone(leader_url, config_path, no_run, template)
+        code = await _clone(leader_url, config_path, no_run, template, say)
     except CloneError as exc:
         print(f"replicator clone: {exc}", file=sys.stderr)
+        if as_json:
+            print(json.dumps({"event": "failed", "ok": False, "exit_code": exc.code, "error": str(exc)}), flush=True)
         return exc.code
+    if as_json:
+        print(json.dumps({"event": "done", "ok": code == EXIT_OK, "exit_code": code}), flush=True)
+    return code
 
 
-def _say(line: str) -> None:
+def _line(line: str) -> None:
     print(line, flush=True)
 
 
-async def _clone(leader_url: str, config_path: str, no_run: bool, template: WorkerTemplate | None) -> int:
+def _json_line(line: str) -> None:
+    print(json.dumps({"event": "progress", "message": line}), flush=True)
+
+
+async def _clone(
+    leader_url: str, config_path: str, no_run: bool, template: WorkerTemplate | None, say: Callable[[str], None]
+) -> int:
     url = check_leader_url(leader_url)
     try:
         config = load(config_path)
@@ -630,19 +656,19 @@ async def _clone(leader_url: str, config_path: str, no_run: bool, template: Work
 
     # The leader's token: REPLICATOR_ADMIN_TOKEN, else this node's own (a cluster that shares one admin token).
     http = HttpRequest(token=os.environ.get(ADMIN_TOKEN_ENV, "").strip() or config.listen.admin_token)
-    leader = Leader(url, http, say=_say)
+    leader = Leader(url, http, say=say)
     try:
         attempts = await leader.wait_ready()
-        _say(f"clone: the leader at {url} is ready" + (f" (after {attempts} probes)" if attempts > 1 else ""))
+        say(f"clone: the leader at {url} is ready" + (f" (after {attempts} probes)" if attempts > 1 else ""))
         leader_cas = await leader.ca_bundle()
         check_trust(local, leader_cas)
         info = await leader.registry()
         target = plan(config, info)
-        _say(
+        say(
             f"clone: the leader is {info.name} ({info.url}), holding {len(info.holds)} databases; the cluster CA"
             f" matches tls.ca ({_fingerprints(leader_cas[:1])})"
         )
-        _note_existing_row(config, info)
+        _note_existing_row(config, info, say)
         introduced = await leader.register(
             config.node.name,
             # The clone's own row will say the same (node.url, replication.databases, replication.mesh), so the
@@ -655,20 +681,18 @@ async def _clone(leader_url: str, config_path: str, no_run: bool, template: Work
         )
     finally:
         await http.close()
-    _say(f"clone: {info.name} introduced {config.node.name} ({config.node.url}) to the cluster")
+    say(f"clone: {info.name} introduced {config.node.name} ({config.node.url}) to the cluster")
     if "note" in introduced:
-        _say(f"clone: note: {introduced['note']}")
+        say(f"clone: note: {introduced['note']}")
     if target.skipped:
-        _say(
-            f"clone: not copied (outside replication.databases of this node or its route): {', '.join(target.skipped)}"
-        )
+        say(f"clone: not copied (outside replication.databases of this node or its route): {', '.join(target.skipped)}")
     if target.run_route:
-        _say(_route_hint(config, target.route))
-    _say(f"clone: copying {len(target.databases)} databases into {directory}: {', '.join(target.databases)}")
-    return await _run_node(config, target, no_run, template)
+        say(_route_hint(config, target.route))
+    say(f"clone: copying {len(target.databases)} databases into {directory}: {', '.join(target.databases)}")
+    return await _run_node(config, target, no_run, template, say)
 
 
-def _note_existing_row(config: Config, info: LeaderInfo) -> None:
+def _note_existing_row(config: Config, info: LeaderInfo, say: Callable[[str], None]) -> None:
     for row in info.rows:
         if row.get("name") != config.node.name or row.get("source") != "own":
             continue
@@ -677,7 +701,7 @@ def _note_existing_row(config: Config, info: LeaderInfo) -> None:
         except ValueError:
             same = False
         if not same:
-            _say(
+            say(
                 f"clone: note: the registry holds an own row of {config.node.name} at {row.get('url')}: another node"
                 " of that name exists or existed; this node's own row replaces it where it arrives"
             )
@@ -697,7 +721,9 @@ def _route_hint(config: Config, route: PeerSection) -> str:
     )
 
 
-async def _run_node(config: Config, target: Plan, no_run: bool, template: WorkerTemplate | None) -> int:
+async def _run_node(
+    config: Config, target: Plan, no_run: bool, template: WorkerTemplate | None, say: Callable[[str], None]
+) -> int:
     from replicator.coordinator.node import Node
 
     log.configure_from(config.log, node=config.node.name, proc="coordinator")
@@ -710,7 +736,7 @@ async def _run_node(config: Config, target: Plan, no_run: bool, template: Worker
     )
     run = asyncio.get_running_loop().create_task(node.run(), name="node")
     try:
-        code = await copy(node, run, target, say=_say)
+        code = await copy(node, run, target, say=say)
     except BaseException:
         if not run.done():
             node.request_stop()
@@ -721,7 +747,7 @@ async def _run_node(config: Config, target: Plan, no_run: bool, template: Worker
     if no_run:
         node.request_stop()
         code = await run
-        _say(f"clone: {config.node.name} stopped (--no-run), exit code {code}")
+        say(f"clone: {config.node.name} stopped (--no-run), exit code {code}")
         return code
-    _say(f"clone: {config.node.name} runs on as a normal node (SIGTERM or SIGINT to stop)")
+    say(f"clone: {config.node.name} runs on as a normal node (SIGTERM or SIGINT to stop)")
     return await run

@@ -8,11 +8,13 @@ A write made after the deletion (on a node that was cut off, say) survives it. E
 
 from __future__ import annotations
 
+import json
 import sys
 from urllib.parse import quote
 
 import aiohttp
 
+from replicator.coordinator import admin_url
 from replicator.coordinator.admin_client import admin_headers
 from replicator.shared.config import NAME_RE
 from replicator.shared.store import SYSTEM
@@ -22,7 +24,9 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 
 
-async def cmd_delete_database(admin: str, name: str, token: str = "") -> int:
+async def cmd_delete_database(
+    admin: str, name: str, token: str = "", *, as_json: bool = False, config: str | None = None
+) -> int:
     if not NAME_RE.fullmatch(name):
         return _fail(f"bad database name {name[:80]!r}: use 1 to 64 of A-Z a-z 0-9 _ -", EXIT_USAGE)
     if name == SYSTEM:
@@ -40,6 +44,8 @@ async def cmd_delete_database(admin: str, name: str, token: str = "") -> int:
     except aiohttp.InvalidURL:
         return _fail(f"--admin {admin!r} is not a URL (e.g. http://127.0.0.1:9926)", EXIT_USAGE)
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        if (hint := await admin_url.explain(admin.rstrip("/"), exc, config)) is not None:
+            return _fail(hint, EXIT_USAGE)
         return _fail(f"cannot reach {url}: {exc or type(exc).__name__}", EXIT_FAILED)
     except ValueError:
         body = None
@@ -47,6 +53,9 @@ async def cmd_delete_database(admin: str, name: str, token: str = "") -> int:
         reason = body.get("error") if isinstance(body, dict) else None
         return _fail(f"{url} answered {status}: {reason or text.strip()[:200]}", EXIT_FAILED)
     origins = len(body.get("floors") or {})
+    if as_json:
+        print(json.dumps({"ok": True, "deleted": True, **body}, indent=2, sort_keys=True))
+        return 0
     print(
         f"deleted database {name} cluster-wide (marker version {body['version']}, {origins} origins): every node drops"
         " what this node held of it and removes it; writes made after the deletion survive"

@@ -8,10 +8,14 @@ saw, stops everything and exits 0 only if the cluster converged.
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from replicator.coordinator.local_cluster import LocalCluster
 
@@ -21,45 +25,75 @@ BATCH = 200
 CONVERGE_TIMEOUT = 120.0
 
 
-async def run_demo(nodes: int, workers: int, records: int, directory: str | None) -> int:
+async def run_demo(nodes: int, workers: int, records: int, directory: str | None, as_json: bool = False) -> int:
+    """With `as_json`, the lines go to stderr and one JSON object to stdout at the end: `{"converged", "nodes",
+    "workers", "records", "dir", "seconds": {"ready", "connected", "write", "converge"}, "status": [...],
+    "exit_codes"}`."""
+    stream = sys.stderr if as_json else sys.stdout
+
+    def say(line: str) -> None:
+        print(line, file=stream, flush=True)
+
     if nodes < 2 or workers < 1 or records < 1:
-        print("replicator demo: need --nodes >= 2, --workers >= 1 and --records >= 1")
+        say("replicator demo: need --nodes >= 2, --workers >= 1 and --records >= 1")
         return 2
     folder = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="replicator-demo-"))
     names = [f"node{i + 1}" for i in range(nodes)]
     cluster = LocalCluster(folder, names, workers=workers, topology="mesh")
-    print(f"demo: {nodes} nodes x {workers} workers on 127.0.0.1, files in {folder}")
+    say(f"demo: {nodes} nodes x {workers} workers on 127.0.0.1, files in {folder}")
     started = time.monotonic()
     cluster.prepare()
     cluster.start()
     converged = False
+    seconds: dict[str, float | None] = {"ready": None, "connected": None, "write": None, "converge": None}
+    report: list[dict[str, Any]] = []
+    codes: dict[str, int | None] = {}
+    error = None
     try:
         await cluster.wait_ready(timeout=90.0)
-        booted = time.monotonic() - started
+        seconds["ready"] = booted = time.monotonic() - started
         await cluster.wait_connected(timeout=60.0)
-        connected = time.monotonic() - started
-        print(f"demo: nodes ready in {booted:.1f} s, every pair connected at {connected:.1f} s")
+        seconds["connected"] = connected = time.monotonic() - started
+        say(f"demo: nodes ready in {booted:.1f} s, every pair connected at {connected:.1f} s")
         expected, wrote_s = await _write(cluster, names, records)
-        print(f"demo: wrote {records} records (+ conflicts, updates, deletes) in {wrote_s:.2f} s")
+        seconds["write"] = wrote_s
+        say(f"demo: wrote {records} records (+ conflicts, updates, deletes) in {wrote_s:.2f} s")
         try:
             converge_s = await cluster.wait_converged(DATABASE, timeout=CONVERGE_TIMEOUT, expect_count=expected)
             converged = True
+            seconds["converge"] = converge_s
         except TimeoutError as exc:
-            print(f"demo: NOT CONVERGED: {exc}")
+            say(f"demo: NOT CONVERGED: {exc}")
+            error = f"not converged: {exc}"
             converge_s = float("nan")
-        await _report(cluster, names, expected, converge_s)
+        report = await _report(cluster, names, expected, converge_s, say)
     except (TimeoutError, RuntimeError) as exc:
-        print(f"demo: FAILED: {exc}")
+        say(f"demo: FAILED: {exc}")
+        error = str(exc)
         for name in names:
             tail = cluster[name].log_path.read_text(errors="replace").splitlines()[-5:]
-            print(f"--- {name} log tail:\n" + "\n".join(tail))
+            say(f"--- {name} log tail:\n" + "\n".join(tail))
     finally:
         codes = cluster.stop()
         await cluster.close()
-        print("demo: stopped: " + ", ".join(f"{name} exit {code}" for name, code in codes.items()))
+        say("demo: stopped: " + ", ".join(f"{name} exit {code}" for name, code in codes.items()))
         if directory is None and converged:
             shutil.rmtree(folder, ignore_errors=True)
-    print("demo: CONVERGED" if converged else "demo: FAILED")
+    say("demo: CONVERGED" if converged else "demo: FAILED")
+    if as_json:
+        document = {
+            "converged": converged,
+            "nodes": names,
+            "workers": workers,
+            "records": records,
+            "dir": str(folder) if directory is not None or not converged else None,
+            "seconds": {key: None if value is None else round(value, 3) for key, value in seconds.items()},
+            "status": report,
+            "exit_codes": codes,
+        }
+        if error is not None:
+            document["error"] = error
+        print(json.dumps(document, indent=2))
     return 0 if converged else 1
 
 
@@ -103,28 +137,41 @@ async def _write(cluster: LocalCluster, names: list[str], records: int) -> tuple
     return records - len(deletes) + 5, time.monotonic() - started
 
 
-async def _report(cluster: LocalCluster, names: list[str], expected: int, converge_s: float) -> None:
-    print(f"demo: {expected} live records on every node; converged {converge_s:.2f} s after the last write")
-    print(f"{'node':8} {'workers':>8} {'pairs':>8} {'max lag s':>10} {'applied':>9} {'rss MiB':>9}")
+async def _report(
+    cluster: LocalCluster, names: list[str], expected: int, converge_s: float, say: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    """Say each node's workers, pairs, lag, records applied and memory; return them, one object per node."""
+    say(f"demo: {expected} live records on every node; converged {converge_s:.2f} s after the last write")
+    say(f"{'node':8} {'workers':>8} {'pairs':>8} {'max lag s':>10} {'applied':>9} {'rss MiB':>9}")
+    report = []
     for name in names:
         status, body = await cluster.admin(name, "/status")
         if status != 200:
-            print(f"{name:8} status unavailable ({status})")
+            say(f"{name:8} status unavailable ({status})")
+            report.append({"node": name, "error": f"status answered {status}"})
             continue
         workers = body["workers"]
-        ready = sum(1 for w in workers if w["ready"])
         pairs = [d for c in body["connections"] for d in c["databases"]]
-        connected = sum(1 for d in pairs if d["connected"])
-        lag = max((d["lag_seconds"] for d in pairs), default=0.0)
-        applied = sum(d["applied"] for d in pairs)
-        rss = sum(w["rss_bytes"] for w in workers) / 2**20
-        print(
-            f"{name:8} {ready:>3}/{len(workers):<4} {connected:>3}/{len(pairs):<4}"
-            f" {lag:>10.3f} {applied:>9} {rss:>9.1f}"
+        found = {
+            "node": name,
+            "workers_ready": sum(1 for w in workers if w["ready"]),
+            "workers": len(workers),
+            "pairs_connected": sum(1 for d in pairs if d["connected"]),
+            "pairs": len(pairs),
+            "max_lag_s": max((d["lag_seconds"] for d in pairs), default=0.0),
+            "applied": sum(d["applied"] for d in pairs),
+            "rss_bytes": sum(w["rss_bytes"] for w in workers),
+        }
+        report.append(found)
+        say(
+            f"{name:8} {found['workers_ready']:>3}/{found['workers']:<4}"
+            f" {found['pairs_connected']:>3}/{found['pairs']:<4} {found['max_lag_s']:>10.3f}"
+            f" {found['applied']:>9} {found['rss_bytes'] / 2**20:>9.1f}"
         )
     status, text = await _metrics_sample(cluster, names[0])
     if status == 200:
-        print(f"demo: {names[0]} metrics: " + ", ".join(text))
+        say(f"demo: {names[0]} metrics: " + ", ".join(text))
+    return report
 
 
 async def _metrics_sample(cluster: LocalCluster, name: str) -> tuple[int, list[str]]:

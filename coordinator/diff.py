@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import aiohttp
 import msgspec
 
+from replicator.coordinator import admin_url
 from replicator.coordinator.admin_client import ADMIN_TOKEN_ENV, admin_headers
 from replicator.coordinator.digest_tree import ROWS, TREE, encoded, tree_query
 from replicator.coordinator.inspect import _table as table_text
@@ -196,19 +197,23 @@ async def _nothing() -> None:
 class AdminSide:
     """A node reached through its admin port (plain HTTP, the admin token)."""
 
-    def __init__(self, http: aiohttp.ClientSession, admin: str, database: str, token: str) -> None:
+    def __init__(
+        self, http: aiohttp.ClientSession, admin: str, database: str, token: str, config: str | None = None
+    ) -> None:
         self.admin = admin.rstrip("/")
         self.label = self.admin
         self._http = http
         self._database = database
         self._headers = admin_headers(token)
+        self._config = config  # a node's config file: the admin port a mistaken URL is pointed to
 
     async def _get(self, path: str, params: dict[str, str] | None = None) -> tuple[int, bytes]:
         try:
             async with self._http.get(self.admin + path, params=params, headers=self._headers) as response:
                 return response.status, await response.read()
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            raise DiffError(f"cannot reach {self.admin}: {str(exc) or type(exc).__name__}") from None
+            hint = await admin_url.explain(self.admin, exc, self._config)
+            raise DiffError(hint or f"cannot reach {self.admin}: {str(exc) or type(exc).__name__}") from None
 
     def _refused(self, path: str, status: int, body: bytes) -> DiffError:
         try:
@@ -405,7 +410,9 @@ def render(found: dict[str, Any], outcome: Outcome) -> str:
     return "\n".join(lines)
 
 
-async def cmd_diff(database: str, admins: list[str], *, limit: int, as_json: bool, token: str) -> int:
+async def cmd_diff(
+    database: str, admins: list[str], *, limit: int, as_json: bool, token: str, config: str | None = None
+) -> int:
     """List the records of `database` that differ between the two nodes (see the module docstring)."""
     if len(admins) != 2:
         print(f"replicator diff: give exactly two --admin URLs, got {len(admins)}", file=sys.stderr)
@@ -419,7 +426,7 @@ async def cmd_diff(database: str, admins: list[str], *, limit: int, as_json: boo
     pair = (admins[0].rstrip("/"), admins[1].rstrip("/"))
     outcome: Outcome | None = None
     async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
-        first, second = (AdminSide(http, admin, database, token) for admin in pair)
+        first, second = (AdminSide(http, admin, database, token, config) for admin in pair)
         try:
             names = (await first.name(), await second.name())
             first.label, second.label = _labels(names, pair)

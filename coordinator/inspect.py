@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
 
+from replicator.coordinator import admin_url
 from replicator.coordinator.admin_client import admin_headers
 
 TIMEOUT = aiohttp.ClientTimeout(total=15)
+EXIT_USAGE = 2
 # `verify --repair` waits for every round of a node; the node bounds that wait itself (its round timeout).
 REPAIR_TIMEOUT = aiohttp.ClientTimeout(total=3700, sock_connect=15)
 
@@ -34,31 +38,159 @@ def _refused(body: Any) -> str:
     return f": {reason}" if reason else ""
 
 
-async def cmd_status(admin: str, as_json: bool, check: bool = False, token: str = "") -> int:
+async def cmd_status(
+    admin: str,
+    as_json: bool,
+    check: bool = False,
+    token: str = "",
+    *,
+    peers: Sequence[str] = (),
+    databases: Sequence[str] = (),
+    problems: bool = False,
+    config: str | None = None,
+) -> int:
     """Print the node's status; with `check`, a one-line summary instead of the table, and exit 1 with one line
-    per problem on stderr when a pair is down or a worker is not ready."""
+    per problem on stderr when a pair is down or a worker is not ready. `peers`, `databases` (names or shell
+    patterns) and `problems` narrow what is shown and checked (`filter_status`)."""
     admin = admin.rstrip("/")
     try:
         async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
             status, body = await _get(http, admin + "/status", token)
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        if (hint := await admin_url.explain(admin, exc, config)) is not None:
+            print(f"replicator status: {hint}", file=sys.stderr)
+            return EXIT_USAGE
         print(f"replicator status: cannot reach {admin}: {exc}", file=sys.stderr)
         return 1
     if status != 200:
         print(f"replicator status: {admin}/status answered {status}{_refused(body)}", file=sys.stderr)
         return 1
+    if peers or databases or problems:
+        try:
+            body = filter_status(body, peers=peers, databases=databases, problems=problems)
+        except StatusFilterError as exc:
+            print(f"replicator status: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+    found = status_problems(body) if check else []
     if as_json:
-        print(json.dumps(body, indent=2))
+        print(json.dumps({**body, "problems": found} if check else body, indent=2))
     elif not check:
         print(render_status(body, time.time()))
     if not check:
         return 0
-    problems = status_problems(body)
-    for problem in problems:
+    for problem in found:
         print(f"replicator status: {problem}", file=sys.stderr)
     if not as_json:
-        print(("FAILED" if problems else "ok") + f": {status_summary(body)}")
-    return 1 if problems else 0
+        print(("FAILED" if found else "ok") + f": {status_summary(body)}")
+    return 1 if found else 0
+
+
+class StatusFilterError(ValueError):
+    """A --peer the node has no pair with, or a --database that matches none of its databases."""
+
+
+def pair_problem(pair: dict[str, Any]) -> str | None:
+    """Why a pair (peer, database) of the status document is not healthy: not connected, or its last anti-entropy
+    round failed; None when it is."""
+    if not pair.get("connected"):
+        detail = f"{pair.get('reconnect_attempts', 0)} reconnects"
+        if pair.get("last_error"):
+            detail += f", last error: {str(pair['last_error'])[:120]}"
+        return f"not connected ({detail})"
+    failed = (pair.get("antientropy") or {}).get("error")
+    if failed:
+        return f"its last anti-entropy round failed: {str(failed)[:120]}"
+    return None
+
+
+def filter_status(
+    body: dict[str, Any], *, peers: Sequence[str] = (), databases: Sequence[str] = (), problems: bool = False
+) -> dict[str, Any]:
+    """The status document narrowed to the pairs with `peers`, the databases matching `databases` (names or shell
+    patterns, `orders-*`), and with `problems` to what is not healthy: pairs not connected or whose last
+    anti-entropy round failed (`pair_problem`), sending ends down, databases recovering, scrubs that found damage.
+    The workers stay (a short table, and not a pair's). Its `filter` says what was asked and how many pairs of how
+    many are shown. StatusFilterError for a peer or a database pattern the node has nothing of."""
+    connections = body.get("connections") or []
+    sending = body.get("sending") or []
+    known_peers = sorted({c["peer"] for c in connections} | {s["peer"] for s in sending})
+    for peer in peers:
+        if peer not in known_peers:
+            raise StatusFilterError(
+                f"--peer {peer}: node {body.get('node')} has no pair with {peer!r} (peers: {_names(known_peers)})"
+            )
+    known_databases = sorted(
+        set(body.get("holds") or [])
+        | {d["database"] for c in connections for d in c["databases"]}
+        | {s["database"] for s in sending}
+    )
+    for pattern in databases:
+        if not fnmatch.filter(known_databases, pattern):
+            raise StatusFilterError(
+                f"--database {pattern}: matches none of the {len(known_databases)} databases of node"
+                f" {body.get('node')} ({_names(known_databases)})"
+            )
+
+    def peer_wanted(peer: str) -> bool:
+        return not peers or peer in peers
+
+    def database_wanted(database: str) -> bool:
+        return not databases or any(fnmatch.fnmatchcase(database, pattern) for pattern in databases)
+
+    shown = []
+    for connection in connections:
+        if not peer_wanted(connection["peer"]):
+            continue
+        pairs = [
+            d
+            for d in connection["databases"]
+            if database_wanted(d["database"]) and (not problems or pair_problem(d) is not None)
+        ]
+        if pairs or not (databases or problems):
+            shown.append({**connection, "databases": pairs})
+    narrowed = dict(body)
+    narrowed["connections"] = shown
+    narrowed["sending"] = [
+        s
+        for s in sending
+        if peer_wanted(s["peer"])
+        and database_wanted(s["database"])
+        and (not problems or not s.get("connected") or s.get("error"))
+    ]
+    narrowed["holds"] = [d for d in body.get("holds") or [] if database_wanted(d)]
+    narrowed["failed_over"] = {
+        database: origins
+        for database, origins in (body.get("failed_over") or {}).items()
+        if database_wanted(database) and (not peers or any(peer in origins for peer in peers))
+    }
+    narrowed["recovery"] = {
+        database: state
+        for database, state in (body.get("recovery") or {}).items()
+        if database_wanted(database) and (not problems or state.get("state") == "recovering")
+    }
+    narrowed["scrub"] = {
+        database: scrub
+        for database, scrub in (body.get("scrub") or {}).items()
+        if database_wanted(database) and (not problems or scrub.get("damaged") or scrub.get("digests_fixed"))
+    }
+    narrowed["clock_offsets"] = {
+        peer: offset for peer, offset in (body.get("clock_offsets") or {}).items() if peer_wanted(peer)
+    }
+    narrowed["filter"] = {
+        "peers": list(peers),
+        "databases": list(databases),
+        "problems": problems,
+        "pairs_shown": sum(len(c["databases"]) for c in shown),
+        "pairs_total": sum(len(c["databases"]) for c in connections),
+    }
+    return narrowed
+
+
+def _names(names: Sequence[str], most: int = 20) -> str:
+    if not names:
+        return "none"
+    more = f", ... ({len(names) - most} more)" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
 
 
 def status_problems(body: dict[str, Any]) -> list[str]:
@@ -73,10 +205,7 @@ def status_problems(body: dict[str, Any]) -> list[str]:
     for connection in body.get("connections", []):
         for d in connection["databases"]:
             if not d["connected"]:
-                detail = f"{d['reconnect_attempts']} reconnects"
-                if d.get("last_error"):
-                    detail += f", last error: {str(d['last_error'])[:120]}"
-                problems.append(f"pair {connection['peer']}/{d['database']} is not connected ({detail})")
+                problems.append(f"pair {connection['peer']}/{d['database']} is {pair_problem(d)}")
     return problems
 
 
@@ -121,6 +250,7 @@ def render_status(body: dict[str, Any], now: float = 0.0) -> str:
         f"workers ready {ready}/{len(workers)}   pairs connected {connected}/{len(pairs)}   "
         f"setups pending {body.get('setup_pending', 0)}"
         + (f"   memory {body['pss_total_bytes'] / 2**20:.1f} MiB (PSS)" if body.get("pss_total_bytes") else ""),
+        *_filter_lines(body.get("filter")),
         "",
         _table(
             ["worker", "pid", "ready", "rss MiB", "restarts"],
@@ -170,7 +300,7 @@ def render_status(body: dict[str, Any], now: float = 0.0) -> str:
             rows,
         )
         if rows
-        else "no peers"
+        else _no_rows(body.get("filter"))
     )
     for database, origins in sorted((body.get("failed_over") or {}).items()):
         lines.append(
@@ -203,6 +333,22 @@ def render_status(body: dict[str, Any], now: float = 0.0) -> str:
     return "\n".join(lines)
 
 
+def _filter_lines(narrowed: dict[str, Any] | None) -> list[str]:
+    """The line that says what `filter_status` kept, when the document was narrowed."""
+    if not narrowed:
+        return []
+    asked = [f"peer {peer}" for peer in narrowed["peers"]] + [f"database {d}" for d in narrowed["databases"]]
+    if narrowed["problems"]:
+        asked.append("problems only")
+    return [f"showing {narrowed['pairs_shown']} of {narrowed['pairs_total']} pairs: {', '.join(asked)}"]
+
+
+def _no_rows(narrowed: dict[str, Any] | None) -> str:
+    if not narrowed:
+        return "no peers"
+    return "no problems" if narrowed["problems"] else "no pairs match"
+
+
 def _table(header: list[str], rows: list[list[Any]]) -> str:
     cells = [header] + [[str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
@@ -214,19 +360,24 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(out)
 
 
-async def cmd_verify(admins: list[str], *, repair: bool = False, as_json: bool = False, token: str = "") -> int:
-    """Compare every database's digest across the nodes; with `repair`, run anti-entropy on each node first."""
+async def cmd_verify(
+    admins: list[str], *, repair: bool = False, as_json: bool = False, token: str = "", config: str | None = None
+) -> int:
+    """Compare every database's digest across the nodes; with `repair`, run anti-entropy on each node first.
+    `config`: a node's config file, for the admin port a mistaken URL is pointed to (`coordinator.admin_url`)."""
     admins = [a.rstrip("/") for a in admins]
     if len(admins) < 2:
         print("replicator verify: give at least two --admin URLs", file=sys.stderr)
         return 2
     names: dict[str, str] = {}
+    asking = admins[0]  # the node asked for its status when a request failed
     repairs: dict[str, list[dict[str, Any]]] = {}
     digests: dict[str, dict[str, Any]] = {}
     try:
         async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
             databases: set[str] = set()
             for admin in admins:
+                asking = admin
                 status, body = await _get(http, admin + "/status", token)
                 if status != 200:
                     message = f"{admin}/status answered {status}{_refused(body)}"
@@ -248,6 +399,8 @@ async def cmd_verify(admins: list[str], *, repair: bool = False, as_json: bool =
                     status, body = await _get(http, f"{admin}/digest/{database}", token)
                     digests[database][names[admin]] = body["tables"] if status == 200 else None
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        if len(names) < len(admins) and (hint := await admin_url.explain(asking, exc, config)) is not None:
+            return _verify_failed(hint, list(names.values()), as_json, EXIT_USAGE)
         return _verify_failed(str(exc) or type(exc).__name__, list(names.values()), as_json)
     document = verify_document(list(names.values()), digests, repairs if repair else None)
     if as_json:
@@ -257,7 +410,7 @@ async def cmd_verify(admins: list[str], *, repair: bool = False, as_json: bool =
     return 0 if document["identical"] else 1
 
 
-def _verify_failed(reason: str, nodes: list[str], as_json: bool) -> int:
+def _verify_failed(reason: str, nodes: list[str], as_json: bool, code: int = 1) -> int:
     print(f"replicator verify: {reason}", file=sys.stderr)
     if as_json:
         print(
@@ -265,7 +418,7 @@ def _verify_failed(reason: str, nodes: list[str], as_json: bool) -> int:
                 {"identical": False, "nodes": nodes, "databases": 0, "differences": [], "error": reason}, indent=2
             )
         )
-    return 1
+    return code
 
 
 def verify_document(

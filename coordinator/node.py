@@ -142,6 +142,8 @@ class Node:
         # has served them back (coordinator.recovery).
         self.recoveries = Recoveries()
         self.peer_clock: dict[str, float] = {}  # peer -> its wall clock minus ours, from the last handshake
+        # peer -> when (loop time) a session with it was last seen up, either way (`GET /nodes`, `replicator node list`)
+        self.peer_seen: dict[str, float] = {}
         # (database, peer) -> what the peer holds complete of each origin, as our senders last saw it acknowledged:
         # a tombstone is purged only once every holder has it.
         self.peer_holds: dict[tuple[str, str], dict[str, int]] = {}
@@ -451,13 +453,17 @@ class Node:
 
     def revoked(self, identity: PeerIdentity) -> str | None:
         """Why a certificate may not be used, if a revocation the cluster CA signed revokes it."""
+        return revocation.revoked_by(self.revocations(), identity)
+
+    def revocations(self) -> list[revocation.Revocation]:
+        """Every revocation the cluster CA signed that the registry holds."""
         system = self.system()
         seen = system.data_version()
         if seen != self._revocations_seen:
             ca = self.verifier.ca
             self._revocations = revocation.stored(system, ca) if ca is not None else []
             self._revocations_seen = seen
-        return revocation.revoked_by(self._revocations, identity)
+        return self._revocations
 
     def poke_registry(self, full: bool = True) -> None:
         """Run a registry pass now; `full`: over every node, not only those whose view changed (sync_registry)."""
@@ -574,6 +580,7 @@ class Node:
             del self.peer_holds[key]
         for key in [key for key in self.sending if key[0] == name]:
             del self.sending[key]
+        self.peer_seen.pop(name, None)
         entry = self.map.by_peer(name)
         if entry is not None:
             self._drop_entry(entry, "node removed")
@@ -959,6 +966,7 @@ class Node:
         pair.worker = message.worker
         pair.session = message.session
         pair.connected_at = now
+        self.peer_seen[entry.peer] = now
         pair.own_upto = message.own_upto
         pair.protocol = message.protocol
         pair.dispatched_to = None
@@ -991,10 +999,12 @@ class Node:
         if (pair.worker, pair.session) == (message.worker, message.session) or not pair.connected:
             if pair.connected or pair.disconnected_at is None:
                 pair.disconnected_at = now
+            entry = self.map.get(message.key)
+            if pair.connected and entry is not None:
+                self.peer_seen[entry.peer] = now
             pair.connected = False
             pair.caught_up = False
             pair.worker = message.worker
-            entry = self.map.get(message.key)
             if entry is not None:
                 self.router.report(message.database, entry.peer, up=False)
 
@@ -1032,6 +1042,7 @@ class Node:
         self._warn_slow_copy(message.key, pair, now)
         entry = self.map.get(message.key)
         if entry is not None and pair.connected:
+            self.peer_seen[entry.peer] = now
             self.router.report(message.database, entry.peer, up=True, caught_up=message.caught_up)
         if message.caught_up:
             pair.caught_up_at = now
@@ -1048,6 +1059,8 @@ class Node:
         held = self.sending.get(key)
         if not message.connected and held is not None and held.connected and held.session != message.session:
             return  # an old session's end, after its successor started
+        if message.connected or (held is not None and held.connected):
+            self.peer_seen[message.peer] = self.loop.time()
         self.sending[key] = message
 
     def _warn_slow_copy(self, key: str, pair: PairState, now: float) -> None:

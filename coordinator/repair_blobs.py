@@ -14,6 +14,7 @@ from urllib.parse import quote
 
 import aiohttp
 
+from replicator.coordinator import admin_url
 from replicator.coordinator.admin_client import admin_headers
 from replicator.shared.config import NAME_RE
 
@@ -23,7 +24,12 @@ DEFAULT_TIMEOUT = 3600.0
 
 
 async def cmd_repair_blobs(
-    admin: str, database: str, as_json: bool = False, timeout: float = DEFAULT_TIMEOUT, token: str = ""
+    admin: str,
+    database: str,
+    as_json: bool = False,
+    timeout: float = DEFAULT_TIMEOUT,
+    token: str = "",
+    config: str | None = None,
 ) -> int:
     if not NAME_RE.fullmatch(database):
         return _fail(f"bad database name {database[:80]!r}: use 1 to 64 of A-Z a-z 0-9 _ -", EXIT_USAGE)
@@ -40,6 +46,8 @@ async def cmd_repair_blobs(
     except aiohttp.InvalidURL:
         return _fail(f"--admin {admin!r} is not a URL (e.g. http://127.0.0.1:9926)", EXIT_USAGE)
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        if (hint := await admin_url.explain(admin.rstrip("/"), exc, config)) is not None:
+            return _fail(hint, EXIT_USAGE)
         return _fail(f"cannot reach {url}: {exc or type(exc).__name__}", EXIT_FAILED)
     try:
         body: Any = json.loads(text)

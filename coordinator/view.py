@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from replicator.coordinator.replication_map import ReplicationMap
     from replicator.coordinator.setup_scheduler import SetupScheduler, Sweep
     from replicator.coordinator.supervisor import Supervisor
-    from replicator.shared import membership, messages
+    from replicator.shared import membership, messages, revocation
     from replicator.shared.config import Config
     from replicator.shared.store import Database, Store
     from replicator.shared.tls import PeerIdentity
@@ -144,8 +144,11 @@ class AdminView(MetricsView, Protocol):
 
     @property
     def worker_tls(self) -> Mapping[int, messages.TlsLoaded]: ...
+    def peer_seen(self) -> Mapping[str, float]: ...
 
     def revoked(self, identity: PeerIdentity) -> str | None: ...
+
+    def revocations(self) -> list[revocation.Revocation]: ...
 
     def system(self) -> Database: ...
 

@@ -100,11 +100,13 @@ def test_without_replicator_admin_the_admin_options_are_required(capsys: pytest.
 def test_main_passes_replicator_admin_to_verify_and_status(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[str, Any]] = []
 
-    async def fake_verify(admins: list[str], *, repair: bool = False, as_json: bool = False, token: str = "") -> int:
+    async def fake_verify(
+        admins: list[str], *, repair: bool = False, as_json: bool = False, token: str = "", config: str | None = None
+    ) -> int:
         calls.append(("verify", (admins, repair, as_json, token)))
         return 0
 
-    async def fake_status(admin: str, as_json: bool, check: bool = False, token: str = "") -> int:
+    async def fake_status(admin: str, as_json: bool, check: bool = False, token: str = "", **filters: Any) -> int:
         calls.append(("status", (admin, as_json, check, token)))
         return 1
 

@@ -516,10 +516,12 @@ def test_cmd_init_writes_a_config_that_loads(
     ]
     assert config.replication.databases == ["*"]
     assert len(config.data.token) >= 32  # init writes a random data token
-    # Written relative to the file's folder, and resolving to the right files.
-    assert (config.tls.ca, config.tls.cert, config.tls.key) == ("../ca/ca.pem", "a.pem", "a.key")
+    # Written relative to the file's folder, and resolving to the right files: the CA certificate is a copy beside
+    # the config, out of the folder that holds the CA key.
+    assert (config.tls.ca, config.tls.cert, config.tls.key) == ("ca.pem", "a.pem", "a.key")
     root = tmp_path.resolve()
-    assert resolve_path(config, config.tls.ca).resolve() == root / "ca" / "ca.pem"
+    assert resolve_path(config, config.tls.ca).resolve() == root / "nodes" / "ca.pem"
+    assert (root / "nodes" / "ca.pem").read_bytes() == (root / "ca" / "ca.pem").read_bytes()
     assert resolve_path(config, config.node.data_dir).resolve() == root / "data" / "a"
     cert_path = resolve_path(config, config.tls.cert)
     assert cert_path.resolve() == root / "nodes" / "a.pem"
