@@ -180,6 +180,8 @@ def cmd_init(
     *,
     token: str | None = None,
     token_file: str | None = None,
+    admin_token: str | None = None,
+    admin_token_file: str | None = None,
     as_json: bool = False,
 ) -> int:
     """Write a ready-to-run config at `config` and, beside it, the node's certificate issued by the CA `ca` and a
@@ -188,7 +190,8 @@ def cmd_init(
     The node listens on `host`, by default on the URL's own address (every interface when the URL names a DNS name).
     An absolute `data` stays absolute; a relative one is written relative to the config's folder, so the folder can
     be moved with what it references. The data token is `token`, or the one in `token_file` (a new random one written
-    there when the file does not exist yet, for the next node's init to read), else a random one for this node.
+    there when the file does not exist yet, for the next node's init to read), else a random one for this node; the
+    admin token the same, from `admin_token` or `admin_token_file`.
     """
     try:
         port = _check_port("--port", port)
@@ -211,7 +214,10 @@ def cmd_init(
         for path in (ca_cert, ca_key):
             if not path.is_file():
                 raise _UsageError("--ca", f"{path}: no such file (create the CA with `replicator certs ca`)")
-        data_token = _DataToken.given(token, token_file)
+        data_token = _Token.given(DATA_TOKEN, token, token_file)
+        admin = _Token.given(ADMIN_TOKEN, admin_token, admin_token_file)
+        if admin.file is not None and admin.file == data_token.file:
+            raise _UsageError("--admin-token-file", "must not be the --token-file: the two tokens differ")
     except _UsageError as exc:
         return _fail("init", str(exc), 2)
 
@@ -260,7 +266,7 @@ def cmd_init(
         key=key_path.name,
         peers=peer_list,
         token=data_token.value,
-        admin_token=secrets.token_urlsafe(32),
+        admin_token=admin.value,
     )
     # Validate with the loader before writing anything, so a rejected config leaves no files behind.
     try:
@@ -302,11 +308,12 @@ def cmd_init(
     except (ConfigError, TlsConfigError) as exc:
         _remove(*written)
         return _fail("init", f"the written config does not load back: {exc}", 1)
-    try:
-        data_token.write()
-    except OSError as exc:
-        _remove(*written)
-        return _fail("init", f"--token-file: cannot write {data_token.file}: {_os_error(exc)}", 1)
+    for made in (data_token, admin):
+        try:
+            made.write()
+        except OSError as exc:
+            _remove(*written)
+            return _fail("init", f"{made.kind.option}-file: cannot write {made.file}: {_os_error(exc)}", 1)
 
     warnings = []
     if not host_given and host == WILDCARD:
@@ -335,6 +342,7 @@ def cmd_init(
             "key": str(key_path),
             "ca": str(ca_copy),
             "token": data_token.summary(),
+            "admin_token": admin.summary(),
             "warnings": warnings,
         }
         print(json.dumps(document, indent=2))
@@ -344,6 +352,7 @@ def cmd_init(
     verb = "kept" if kept_ca else "wrote"
     print(f"{verb} the CA certificate {ca_copy} (tls.ca; the CA key stays in {ca_key.parent})")
     print(data_token.describe())
+    print(admin.describe())
     print(
         f"wrote config {config_path} (mode 0600: it holds the data API token, [data] token, and the admin token,"
         " [listen] admin_token)"
@@ -352,34 +361,54 @@ def cmd_init(
     return 0
 
 
-@dataclass
-class _DataToken:
-    """The data token `init` writes into the config, and where it comes from."""
+@dataclass(frozen=True)
+class _Kind:
+    """One of the two tokens `init` writes: the data token clients send, the admin token the CLI and Prometheus
+    send. Each comes from its option, from its file, or is a random one of this node's own."""
 
+    option: str  # "--token" or "--admin-token"; its file is option + "-file"
+    what: str  # "data token"
+    key: str  # where the config keeps it: "[data] token"
+    users: str  # who sends it, for the hint: "clients"
+    empty: str  # what an empty one would do
+
+
+DATA_TOKEN = _Kind("--token", "data token", "[data] token", "clients", "turns the data API's auth off")
+ADMIN_TOKEN = _Kind(
+    "--admin-token", "admin token", "[listen] admin_token", "the CLI and Prometheus", "turns the admin port's auth off"
+)
+
+
+@dataclass
+class _Token:
+    """A token `init` writes into the config, and where it comes from."""
+
+    kind: _Kind
     value: str
-    source: str  # "random", "--token" or "--token-file"
+    source: str  # "random", the option or its file option
     file: Path | None = None
     new_file: bool = False  # the token file does not exist yet: `write` creates it
 
     @classmethod
-    def given(cls, token: str | None, token_file: str | None) -> _DataToken:
+    def given(cls, kind: _Kind, token: str | None, token_file: str | None) -> _Token:
+        file_option = kind.option + "-file"
         if token is not None and token_file is not None:
-            raise _UsageError("--token", "give --token or --token-file, not both")
+            raise _UsageError(kind.option, f"give {kind.option} or {file_option}, not both")
         if token is not None:
-            return cls(_check_token("--token", token.strip()), "--token")
+            return cls(kind, _check_token(kind, kind.option, token.strip()), kind.option)
         if token_file is None:
-            return cls(secrets.token_urlsafe(32), "random")
+            return cls(kind, secrets.token_urlsafe(32), "random")
         if not token_file.strip():
-            raise _UsageError("--token-file", "must not be empty")
+            raise _UsageError(file_option, "must not be empty")
         path = Path(token_file).expanduser().absolute()
         if not path.exists():
-            return cls(secrets.token_urlsafe(32), "--token-file", path, new_file=True)
+            return cls(kind, secrets.token_urlsafe(32), file_option, path, new_file=True)
         try:
             text = path.read_text()
         except (OSError, UnicodeDecodeError) as exc:
             reason = _os_error(exc) if isinstance(exc, OSError) else "not text"
-            raise _UsageError("--token-file", f"cannot read {path}: {reason}") from None
-        return cls(_check_token(f"--token-file {path}", text.strip()), "--token-file", path)
+            raise _UsageError(file_option, f"cannot read {path}: {reason}") from None
+        return cls(kind, _check_token(kind, f"{file_option} {path}", text.strip()), file_option, path)
 
     def write(self) -> None:
         if self.new_file and self.file is not None:
@@ -390,26 +419,27 @@ class _DataToken:
         return {"source": self.source, "file": str(self.file) if self.file else None, "created": self.new_file}
 
     def describe(self) -> str:
-        if self.source == "--token-file" and self.new_file:
+        kind, file_option = self.kind, self.kind.option + "-file"
+        if self.source == file_option and self.new_file:
             return (
-                f"wrote a new data token to {self.file} (mode 0600): give the init of every other node of the "
-                "cluster the same --token-file, so that clients use one token on every node"
+                f"wrote a new {kind.what} to {self.file} (mode 0600): give the init of every other node of the "
+                f"cluster the same {file_option}, so that {kind.users} use one token on every node"
             )
-        if self.source == "--token-file":
-            return f"data token from {self.file} ([data] token)"
-        if self.source == "--token":
-            return "data token from --token ([data] token)"
+        if self.source == file_option:
+            return f"{kind.what} from {self.file} ({kind.key})"
+        if self.source == kind.option:
+            return f"{kind.what} from {kind.option} ({kind.key})"
         return (
-            "data token: a random one of this node's own ([data] token); --token-file FILE gives every node of a "
+            f"{kind.what}: a random one of this node's own ({kind.key}); {file_option} FILE gives every node of a "
             "cluster the same"
         )
 
 
-def _check_token(argument: str, token: str) -> str:
+def _check_token(kind: _Kind, argument: str, token: str) -> str:
     if not token:
-        raise _UsageError(argument, "the data token is empty (an empty [data] token turns the data API's auth off)")
+        raise _UsageError(argument, f"the {kind.what} is empty (an empty {kind.key} {kind.empty})")
     if any(not 0x21 <= ord(char) <= 0x7E for char in token):
-        raise _UsageError(argument, "the data token must be one word of printable ASCII (it travels in a header)")
+        raise _UsageError(argument, f"the {kind.what} must be one word of printable ASCII (it travels in a header)")
     return token
 
 

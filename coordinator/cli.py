@@ -308,7 +308,25 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         FILE,
     )
-    _json_flag(init, '{"ok", "config", "node", "url", "listen", "data_dir", "cert", "key", "ca", "token", "warnings"}')
+    admin_tokens = init.add_mutually_exclusive_group()
+    admin_tokens.add_argument(
+        "--admin-token",
+        help="the admin token ([listen] admin_token) the CLI and Prometheus send; give every node of a cluster the "
+        "same, so that `verify` and `diff` reach every node with one (default: a random one for this node)",
+    )
+    _complete(
+        admin_tokens.add_argument(
+            "--admin-token-file",
+            help="read the admin token from this file; when it does not exist, write a new random one there first "
+            "(mode 0600), for the init of the cluster's other nodes to read",
+        ),
+        FILE,
+    )
+    _json_flag(
+        init,
+        '{"ok", "config", "node", "url", "listen", "data_dir", "cert", "key", "ca", "token", "admin_token", '
+        '"warnings"}',
+    )
 
     status = commands.add_parser(
         "status",
@@ -739,6 +757,8 @@ def _main(argv: list[str], failures: _JsonFailures | None = None) -> int:
                 workers=args.workers,
                 token=args.token,
                 token_file=args.token_file,
+                admin_token=args.admin_token,
+                admin_token_file=args.admin_token_file,
                 as_json=args.json,
             )
         case "status":

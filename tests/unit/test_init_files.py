@@ -130,6 +130,33 @@ def test_json_says_what_was_written_and_not_the_token(
         "key": str(config.parent / "a.key"),
         "ca": str(config.parent / "ca.pem"),
         "token": {"source": "--token-file", "file": str(token_file), "created": True},
+        "admin_token": {"source": "random", "file": None, "created": False},
         "warnings": [],
     }
     assert token_file.read_text().strip() not in json.dumps(document)
+
+
+def test_one_admin_token_file_gives_every_node_the_same_admin_token(
+    ca_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One admin token for a cluster, so that `verify` and `diff` reach every node with it; never the data token."""
+    admin_file = tmp_path / "admin.token"
+    assert _init(ca_dir, tmp_path / "a" / "a.toml", str(tmp_path / "data-a"), admin_token_file=str(admin_file)) == 0
+    assert "wrote a new admin token to" in capsys.readouterr().out
+    assert stat.S_IMODE(admin_file.stat().st_mode) == 0o600
+    assert (
+        _init(ca_dir, tmp_path / "b" / "b.toml", str(tmp_path / "data-b"), "b", admin_token_file=str(admin_file)) == 0
+    )
+    assert "admin token from" in capsys.readouterr().out
+    a, b = _file(tmp_path / "a" / "a.toml"), _file(tmp_path / "b" / "b.toml")
+    assert a["listen"]["admin_token"] == b["listen"]["admin_token"] == admin_file.read_text().strip()
+    assert a["data"]["token"] != b["data"]["token"]  # the data token is its own
+    assert _init(ca_dir, tmp_path / "c" / "c.toml", str(tmp_path / "data-c"), "c", admin_token="admin-s3cret") == 0
+    assert _file(tmp_path / "c" / "c.toml")["listen"]["admin_token"] == "admin-s3cret"
+    # The two tokens never share a file, and an empty one is refused.
+    same = {"token_file": str(tmp_path / "t"), "admin_token_file": str(tmp_path / "t")}
+    assert _init(ca_dir, tmp_path / "d" / "d.toml", str(tmp_path / "data-d"), "d", **same) == 2
+    assert "must not be the --token-file" in capsys.readouterr().err
+    assert _init(ca_dir, tmp_path / "d" / "d.toml", str(tmp_path / "data-d"), "d", admin_token=" ") == 2
+    assert "the admin token is empty" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()
