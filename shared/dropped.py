@@ -58,8 +58,13 @@ def written_since(held: dict[str, Origin], floors: DeletionFloors) -> bool:
 def left_empty(db: Database, floors: DeletionFloors) -> bool:
     """May the deletion remove this file now? Only when it is empty and was not written after the deletion (its
     positions do not pass the floors): a database written since exists again, empty or not, as on the nodes that
-    hold what was written since."""
-    return db.is_empty() and not written_since(db.origins(), floors)
+    hold what was written since.
+
+    Not while the file recovers: its own origin is complete only as far as peers have confirmed, so own writes
+    above the deletion's floor may still be out there, on a peer that holds versions this file had replaced by
+    writes the deletion covers. Removed, the file would never ask for them back (a removed database's
+    subscriptions ask for none of this node's own writes), and that peer would keep them alone."""
+    return db.is_empty() and not db.recovering and not written_since(db.origins(), floors)
 
 
 def marker_id(name: str, requested_by: str) -> str:

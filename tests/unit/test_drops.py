@@ -42,7 +42,9 @@ def node(loop: VirtualTimeLoop, tmp_path: Path) -> Iterator[tuple[Node, FakeSupe
 
 def _hold(node: Node, name: str, versions: list[int]) -> None:
     assert node.store is not None
-    node.store.database(name, create=True).apply_batch([rec(f"r{v}", v, "b") for v in versions])
+    db = node.store.database(name, create=True)
+    db.apply_batch([rec(f"r{v}", v, "b") for v in versions])
+    db.finish_recovery()  # a store without holdings takes the file for an unknown one: recovered, as peers served it
     node.holds.add(name)
 
 

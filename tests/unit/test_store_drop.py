@@ -293,3 +293,20 @@ def test_a_mark_past_the_floors_creates_the_database_again(store: Store, clock: 
     db = store.database("again")
     assert db.is_empty() and db.progress() == {"b": 1200}
     assert dropped.written_since(db.origins(), floors)
+
+
+def test_a_recovering_file_is_not_left_empty_until_its_recovery_finishes(store: Store) -> None:
+    """Seed 3603 of nemesis 3: a recovering file is complete of its own origin only as far as peers confirmed, so a
+    peer may still hold own writes of it above the deletion's floor (versions it had replaced here by writes the
+    deletion covers). Removed, the file would never ask for them back; kept, its recovery does, and it is removed
+    only once recovery is done and nothing was written since."""
+    db = store.database("x", create=True)
+    db.apply_batch([rec("r1", 10, "b")])
+    assert db.regress(50)  # a peer holds our own writes up to 50: the file recovers
+    floors = per_origin(b=10)
+    db.drop_through(floors)
+    assert db.is_empty() and db.recovering
+    assert not dropped.left_empty(db, floors)
+    db.finish_recovery()
+    assert not db.recovering
+    assert dropped.left_empty(db, floors)
