@@ -1447,7 +1447,9 @@ class Database:
         write lock past the other processes' busy timeout; since nothing the floors cover can be written any more,
         one walk finds all of it. The file notes the floors as purged only at the end of the walk: a walk cut short
         (a crash) is made again. The bucket digests follow each deletion (trigger), so they equal those of a file
-        that only ever held the survivors.
+        that only ever held the survivors. Before the walk, a record whose current version the floors cover goes
+        back to the newest version of it the audit log holds that they do not cover, if any (`_restore_uncovered`):
+        a write the deletion never saw, replaced here by a covered one before the floors arrived, survives.
         """
         for origin, floor in floors.origins.items():
             check_name(origin, "origin")
@@ -1457,6 +1459,7 @@ class Database:
             raise BadRecord(f"deletion floor {floors.every} is out of range")
         with self._write() as conn:
             floors = deletion.raise_floors(conn, self._node, floors)
+        self._restore_uncovered(floors, chunk)
         removed = 0
         after = 0
         while True:
@@ -1484,6 +1487,46 @@ class Database:
         with self._write() as conn:
             deletion.set_purged(conn, deletion.purged(conn).merge(floors))
         return removed
+
+    def _restore_uncovered(self, floors: DeletionFloors, chunk: int) -> None:
+        """Before `drop_through` removes what the floors cover: a record whose current version they cover but whose
+        audit log holds a version they do not (one the covered version replaced here before the floors arrived: a
+        write made after the deletion, at a lower version than the covered one, say) goes back to the newest such
+        version instead of going, as on a node that took the floors first and that version after. The audit log is
+        walked in chunks (read only); the rows are put back in one transaction, each only if still covered then."""
+        found: dict[tuple[str, str], tuple] = {}
+        after = 0
+        while True:
+            with self._read() as conn:
+                rows = conn.execute(
+                    "SELECT a.seq, a.tbl, a.id, CAST(a.value AS BLOB), a.version, a.origin, a.tombstone,"
+                    " r.version, r.origin"
+                    " FROM audit AS a JOIN records AS r ON r.tbl = a.tbl AND r.id = a.id"
+                    " WHERE a.seq > ? ORDER BY a.seq LIMIT ?",
+                    (after, chunk),
+                ).fetchall()
+            for _, tbl, record_id, value, version, origin, tombstone, held, held_by in rows:
+                if floors.covers(origin, version) or not floors.covers(held_by, held):
+                    continue
+                row = _row(tbl, record_id, bytes(value), version, origin, tombstone)
+                best = found.get((tbl, record_id))
+                if best is None or (version, origin, row[7]) > (best[3], best[4], best[7]):
+                    found[(tbl, record_id)] = row
+            if len(rows) < chunk:
+                break
+            after = rows[-1][0]
+        if not found:
+            return
+        with self._write() as conn:
+            still = []
+            for (tbl, record_id), row in found.items():
+                held = conn.execute(
+                    "SELECT version, origin FROM records WHERE tbl = ? AND id = ?", (tbl, record_id)
+                ).fetchone()
+                if held is not None and floors.covers(held[1], held[0]):
+                    still.append(row)
+            conn.executemany(_UPSERT, still)
+            _add_to_digests(conn, still)
 
     def is_empty(self) -> bool:
         """True when the file holds no record at all, tombstones included."""

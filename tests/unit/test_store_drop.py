@@ -310,3 +310,35 @@ def test_a_recovering_file_is_not_left_empty_until_its_recovery_finishes(store: 
     db.finish_recovery()
     assert not db.recovering
     assert dropped.left_empty(db, floors)
+
+
+def test_a_version_the_floors_do_not_cover_comes_back_when_a_covered_one_had_replaced_it(
+    store: Store, tmp_path: Path, clock: FakeClock
+) -> None:
+    # e wrote x at 500 (its clock ahead) and deleted the database covering it; b wrote x at 300 after the deletion,
+    # and this node took b's write, then e's (the deletion not applied here yet), which replaced it. The floors take
+    # e's version and give back b's, the newest they do not cover: what a node that took the floors first ends with.
+    # y had only a covered version: it goes. z goes back to its newest uncovered version, c's delete.
+    db = store.database("main", create=True)
+    before = [rec("x", 300, "b"), rec("z", 100, "b"), rec("z", 200, "c", tomb=True)]
+    covered = [rec("x", 500, "e"), rec("y", 450, "e"), rec("z", 600, "e")]
+    assert db.apply_batch(before) == 3
+    assert db.apply_batch(covered) == 3
+
+    assert db.drop_through(per_origin(e=600)) == 1
+
+    assert _rows(db) == [("t", "x", 300, "b", 0), ("t", "z", 200, "c", 1)]
+    assert db.get("t", "x") == rec("x", 300, "b")
+    assert _audit_versions(db) == [300, 100, 200]
+    with Store(tmp_path / "first", "a", clock=clock) as first_store:
+        first = first_store.database("main", create=True)
+        first.drop_through(per_origin(e=600))
+        first.apply_batch(before)
+        assert first.apply_batch(covered) == 0
+        assert _rows(db) == _rows(first)
+        assert db.digest() == first.digest() and db.roots() == first.roots()
+        assert db.bucket_digests("t") == first.bucket_digests("t") == db.recount_digests("t")
+    assert db.check_digests() == 0
+    # A later deletion covering b's version too takes it, and nothing older comes back for x.
+    assert db.drop_through(per_origin(b=300, e=600)) == 1
+    assert _rows(db) == [("t", "z", 200, "c", 1)]
