@@ -54,7 +54,7 @@ from replicator.shared.logs import LOGGED_NAMES, log
 from replicator.shared.memory import Trimmer
 from replicator.shared.notify import Doorbell
 from replicator.shared.store import Database, NodeRow, Store, UnknownDatabase
-from replicator.shared.tls import PeerIdentity, TlsConfigError
+from replicator.shared.tls import PeerIdentity, TlsConfigError, peer_identity
 
 EXIT_OK = 0
 EXIT_BOOT_ERROR = 3
@@ -129,6 +129,7 @@ class Node:
         self.verifier = membership.Verifier(None)
         self._revocations: list[revocation.Revocation] = []
         self._revocations_seen = -1
+        self._own_revoked: str | None = None  # why this node's certificate is revoked, once logged
         self.antientropy = AntiEntropy(self, loop=self.loop, rng=self.rng)
         self.blob_repairs = BlobRepairs(self.supervisor, loop=self.loop)  # admin POST /repair/blobs, run by workers
         self.drops = Drops(self, loop=self.loop)  # databases deleted cluster-wide, applied to this node's files
@@ -417,6 +418,15 @@ class Node:
         self._own_row_stale = False
         if self.signer is None:
             return
+        # A certificate the cluster revoked writes nothing: every node ignores the rows it signs, and a row written
+        # again after `node remove --revoke` deleted it would only linger as a revoked row on the nodes it reached.
+        identity = peer_identity(self.signer.cert_der)
+        if identity is not None and (reason := self.revoked(identity)) is not None:
+            if self._own_revoked != reason:
+                log.error("own_certificate_revoked", reason=reason, serial=identity.serial)
+            self._own_revoked = reason
+            return
+        self._own_revoked = None
         current = self.verifier.own_row(system, self.name)
         wanted = NodeRow(
             name=self.name,

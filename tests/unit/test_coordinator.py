@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -596,6 +597,44 @@ def test_databases_opened_together_are_advertised_in_one_row(
         node.store.close()
 
 
+def test_a_node_whose_certificate_is_revoked_writes_no_row_until_it_has_a_new_one(
+    loop: VirtualTimeLoop, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`node remove --revoke`: the revocation reaches the node before the deletion of its row (one origin, in
+    order), so the node does not write its row back; a certificate issued after the revocation writes it again."""
+    from replicator.shared import membership, revocation
+    from replicator.shared.store import Store
+    from replicator.shared.tls import create_ca, issue_node_cert
+
+    create_ca(tmp_path / "ca")
+    node, _ = make_node(loop)
+    node.store = Store(tmp_path, "self")
+    node.verifier = membership.Verifier(revocation.load_ca_cert(tmp_path / "ca" / "ca.pem"))
+    node.signer = membership.Signer.load("self", *issue_node_cert(tmp_path / "ca", "self", ["127.0.0.1"], tmp_path))
+    system = node.system()
+    try:
+        node._write_own_row(system)
+        assert node.verifier.own_row(system, "self") is not None
+        signed = revocation.sign(tmp_path / "ca", "self", now=9_999_999_999.0)
+        system.put(revocation.TABLE, signed.record_id, revocation.encode(signed))
+        system.delete(membership.NODES, "self")
+        for _ in range(2):
+            node._write_own_row(system)
+        assert node.verifier.own_row(system, "self") is None
+        events = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+        logged = [e for e in events if e["event"] == "own_certificate_revoked"]
+        assert len(logged) == 1 and "self: every certificate" in logged[0]["reason"], logged
+
+        # Only certificates issued before the revocation are revoked; this one is issued after it.
+        system.delete(revocation.TABLE, signed.record_id)
+        spared = revocation.sign(tmp_path / "ca", "self", now=1.0)
+        system.put(revocation.TABLE, spared.record_id, revocation.encode(spared))
+        node._write_own_row(system)
+        assert node.verifier.own_row(system, "self") is not None
+    finally:
+        node.store.close()
+
+
 def test_a_registry_update_during_a_stale_sweep_keeps_the_spacing(loop: VirtualTimeLoop) -> None:
     node, supervisor = make_node(loop)
     b = peer("b", 2000)
@@ -802,7 +841,6 @@ def test_tombstones_wait_for_every_holder_and_the_retention(loop: VirtualTimeLoo
 def test_a_slow_copy_is_warned_about_once_per_session(
     loop: VirtualTimeLoop, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import json
 
     from replicator.shared import messages
 
@@ -839,7 +877,6 @@ def test_a_storm_of_new_links_renews_each_pair_once_and_logs_what_changed(
 ) -> None:
     """A registry pass that adds 200 direct links changes every pair's exclusions once, not once per link, and the
     route change writes one line saying what changed (capped lists and counts), not every pair's whole exclusion."""
-    import json
 
     from replicator.shared.logs import LOGGED_NAMES
 
