@@ -273,6 +273,11 @@ def _written_above(
     held = None if row[2] else node.value(database, table, record_id)
     if any(op.value == held for op in newest):
         return None
+    # A wiped node whose clock went back writes below its earlier life's versions; its file writes the later write
+    # again above them (`this_life`), so the write acknowledged last of that origin is the one that stays.
+    later = [op for op in ops if not op.lost and op.node == row[1] and op.at > max(o.at for o in newest)]
+    if later and max(later, key=lambda op: op.at).value == held:
+        return None
     op = newest[-1]
     where = f"{node.name}/{database}: {table}/{record_id}"
     if op.value is None:
