@@ -9,7 +9,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import os
 import sqlite3
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -22,6 +25,7 @@ from replicator.coordinator.local_cluster import LocalCluster, poll_until
 from tests.integration.proxy import LinkProxy
 
 # Short thresholds so that recovery paths run within a test's time; the defaults are the seed's values.
+REPO = Path(__file__).resolve().parents[2]
 FAST = {"reconcile_interval": 1.0, "shutdown_timeout": 8.0}
 
 
@@ -184,3 +188,22 @@ async def write_many(cluster: LocalCluster, name: str, database: str, table: str
     records = [{"id": record_id, "value": value} for record_id in ids]
     status, body = await cluster.data(name, "POST", f"/data/{database}/{table}", records)
     assert status == 200, (name, status, body)
+
+
+def cli(
+    *args: str, token: str | None = None, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """`replicator ARGS` in a process of its own, run from the checkout as an operator runs it. `token`: the admin
+    token, given as REPLICATOR_ADMIN_TOKEN; without it, none of this environment's REPLICATOR_ADMIN_* reach it."""
+    base = {key: value for key, value in os.environ.items() if not key.startswith("REPLICATOR_ADMIN")}
+    if token is not None:
+        base["REPLICATOR_ADMIN_TOKEN"] = token
+    return subprocess.run(
+        [sys.executable, "-m", "replicator.coordinator.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env={**base, **(env or {})},
+        check=False,
+    )

@@ -12,10 +12,8 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +21,7 @@ import msgspec
 import pytest
 
 from replicator.coordinator.local_cluster import LocalCluster
-from tests.integration.conftest import FAST, assert_identical, assert_log_is_json, wait_for
-from tests.integration.test_cli import REPO
+from tests.integration.conftest import FAST, assert_identical, assert_log_is_json, cli, wait_for
 
 DB = "blobs"
 SLOW = dict(FAST, blob_rate=1_000_000.0)
@@ -162,14 +159,7 @@ async def test_a_restart_of_the_receiver_or_of_the_sender_mid_transfer_resumes(m
 
 def _repair_blobs(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
     """`replicator repair-blobs ARGS`, sending the cluster's admin token from REPLICATOR_ADMIN_TOKEN."""
-    return subprocess.run(
-        [sys.executable, "-m", "replicator.coordinator.cli", "repair-blobs", *args],
-        env={**os.environ, "REPLICATOR_ADMIN_TOKEN": cluster.admin_token},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO,
-    )
+    return cli("repair-blobs", *args, token=cluster.admin_token)
 
 
 @pytest.mark.timeout(180)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -19,20 +18,13 @@ import pytest
 
 from replicator.coordinator.local_cluster import LocalCluster, free_ports
 from replicator.shared.tls import create_ca
-from tests.integration.conftest import wait_for
+from tests.integration.conftest import cli, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def replicator(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "replicator.coordinator.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO,
-        env={**os.environ, **(env or {})},
-    )
+    return cli(*args, env=env, timeout=timeout)
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from replicator.coordinator.local_cluster import LocalCluster, free_ports
-from tests.integration.conftest import FAST
+from tests.integration.conftest import FAST, cli
 
 REPO = Path(__file__).resolve().parents[2]
 DATABASES = [f"db{i:03d}" for i in range(100)]
@@ -72,14 +72,7 @@ async def cluster(cli_cluster: LocalCluster) -> AsyncIterator[LocalCluster]:
 def replicator(
     cluster: LocalCluster, *args: str, env: dict[str, str] | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "replicator.coordinator.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO,
-        env={**os.environ, "REPLICATOR_ADMIN_TOKEN": cluster.admin_token, **(env or {})},
-    )
+    return cli(*args, token=cluster.admin_token, env=env, timeout=timeout)
 
 
 async def run(cluster: LocalCluster, *args: str, **options: Any) -> subprocess.CompletedProcess[str]:

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-import sys
 from typing import Any
 
 import pytest
 
 from replicator.coordinator.local_cluster import LocalCluster
-from tests.integration.conftest import FAST, assert_identical, assert_log_is_json, wait_for, write_many
-from tests.integration.test_cli import REPO
+from tests.integration.conftest import FAST, assert_identical, assert_log_is_json, cli, wait_for, write_many
 
 
 async def _removed(cluster: LocalCluster, name: str, database: str, *, pairs: bool = True) -> bool:
@@ -106,13 +104,7 @@ async def test_a_deleted_database_leaves_every_node_and_can_be_written_again(mak
 
 
 def _delete_database(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "replicator.coordinator.cli", "delete-database", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO,
-    )
+    return cli("delete-database", *args)
 
 
 @pytest.mark.timeout(180)

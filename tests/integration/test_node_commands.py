@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +21,7 @@ from cryptography import x509
 from replicator.coordinator.local_cluster import LocalCluster
 from replicator.shared import revocation
 from replicator.shared.tls import certificate_identity, issue_node_cert
-from tests.integration.conftest import FAST, assert_identical, wait_for, write_many
+from tests.integration.conftest import FAST, assert_identical, cli, wait_for, write_many
 
 DATABASE = "registry_test"
 REPO = Path(__file__).resolve().parents[2]
@@ -40,17 +38,7 @@ def _cluster(make_cluster: Callable[..., LocalCluster]) -> LocalCluster:
 
 
 async def replicator(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
-    def run() -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "replicator.coordinator.cli", *args],
-            capture_output=True,
-            text=True,
-            timeout=90,
-            cwd=REPO,
-            env={**os.environ, "REPLICATOR_ADMIN_TOKEN": cluster.admin_token},
-        )
-
-    return await asyncio.to_thread(run)
+    return await asyncio.to_thread(cli, *args, token=cluster.admin_token, timeout=90)
 
 
 async def node_list(cluster: LocalCluster, name: str) -> dict[str, dict[str, Any]]:

@@ -10,8 +10,6 @@ import os
 import signal
 import socket
 import sqlite3
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from replicator.coordinator.local_cluster import LocalCluster
 from replicator.shared.tls import client_context, issue_node_cert
-from tests.integration.conftest import wait_for
+from tests.integration.conftest import cli, wait_for
 
 CONTRACT_METRICS = {
     "replicator_setup_requests_total": "counter",
@@ -159,14 +157,7 @@ async def test_systemd_notify_ready_watchdog_and_stopping(make_cluster, tmp_path
         await cluster.close()
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "replicator.coordinator.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO,
-    )
+_cli = cli
 
 
 async def test_status_and_verify_against_a_running_cluster(make_cluster) -> None:  # type: ignore[no-untyped-def]

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -16,19 +14,12 @@ import msgspec
 from replicator.coordinator.local_cluster import LocalCluster
 from replicator.shared import revocation
 from replicator.shared.tls import create_ca, issue_node_cert
-from tests.integration.conftest import FAST, wait_for
+from tests.integration.conftest import FAST, cli, wait_for
 
 DATABASE = "guarded"
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "replicator.coordinator.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+_cli = cli
 
 
 async def _pairs_with(cluster: LocalCluster, name: str, peer: str) -> list[dict[str, Any]]:

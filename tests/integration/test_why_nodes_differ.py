@@ -5,27 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 from replicator.coordinator.local_cluster import LocalCluster
-from tests.integration.conftest import wait_for, write_many
+from tests.integration.conftest import cli, wait_for, write_many
 
 REPO = Path(__file__).resolve().parents[2]
 DATABASE = "why"
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "replicator.coordinator.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-        env={key: value for key, value in os.environ.items() if not key.startswith("REPLICATOR_ADMIN")},
-    )
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return cli(*args, timeout=120)
 
 
 async def _version(cluster: LocalCluster, name: str, record_id: str) -> int | None:

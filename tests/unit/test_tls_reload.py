@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import shutil
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from replicator.shared.config import load
 from replicator.shared.tls import create_ca, issue_node_cert
 from tests.certificates import BAD_FILES, install
 from tests.unit.fakeloop import VirtualTimeLoop
+from tests.unit.notify_receiver import datagrams
 from tests.unit.test_coordinator import FakeSupervisor
 from tests.unit.test_metrics import named, scrape
 
@@ -177,27 +177,6 @@ def test_a_worker_behind_the_node_is_sent_the_current_material_and_a_failure_is_
     assert not node.reload_health.successful and "worker 1: no memory" in node.reload_health.last_error
     assert events(capsys, "worker_tls_reload_failed")[0]["error"] == "no memory"
     assert {slot: report.serial for slot, report in node.worker_tls.items()} == {0: "def", 1: "abc"}
-
-
-@pytest.fixture
-def notify_socket(tmp_path: Path) -> Iterator[tuple[str, socket.socket]]:
-    address = str(tmp_path / "notify.sock")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.bind(address)
-    sock.setblocking(False)
-    try:
-        yield address, sock
-    finally:
-        sock.close()
-
-
-def datagrams(sock: socket.socket) -> list[str]:
-    found = []
-    while True:
-        try:
-            found.append(sock.recv(4096).decode())
-        except BlockingIOError:
-            return found
 
 
 def test_a_reload_is_announced_to_systemd_once_the_node_is_ready(
