@@ -76,6 +76,39 @@ def run_side(script: str | Path, code: Path, args: list[str]) -> dict:
     return json.loads(done.stdout)
 
 
+def alternate(script: str | Path, baseline: str, args: list[str], repeat: int) -> tuple[str, str, dict[str, list]]:
+    """`repeat` rounds of (the baseline, this tree), one `run_side` each, alternating so that a machine getting
+    busier weighs on both sides alike. `baseline`: a git revision, or the folder of a source tree. Returns (what the
+    baseline is, this tree's name, {"baseline": [...], "current": [...]})."""
+    given = Path(baseline)
+    runs: dict[str, list] = {"baseline": [], "current": []}
+    with contextlib.ExitStack() as stack:
+        if given.is_dir():
+            tree, baseline_rev = given.resolve(), str(given.resolve())
+        else:
+            baseline_rev = revisions(baseline)[0]
+            tree = stack.enter_context(baseline_tree(baseline_rev))
+        current_rev = revisions("HEAD")[1]
+        for _ in range(repeat):
+            runs["baseline"].append(run_side(script, tree, args))
+            runs["current"].append(run_side(script, REPO, args))
+    return baseline_rev, current_rev, runs
+
+
+def without(args: list[str], flag: str, values: int = 1) -> list[str]:
+    """`args` without `flag` and the `values` arguments that follow it (or `flag=value`)."""
+    out: list[str] = []
+    skip = 0
+    for arg in args:
+        if skip:
+            skip -= 1
+        elif arg == flag:
+            skip = values
+        elif not arg.startswith(flag + "="):
+            out.append(arg)
+    return out
+
+
 def cpu_seconds(processes: dict[str, psutil.Process]) -> dict[str, float]:
     """CPU time (user + system) each process has used so far, by role; a process that is gone is left out."""
     used = {}

@@ -789,18 +789,7 @@ def _median(values: list[float | None]) -> float | None:
 
 
 def compare(options: argparse.Namespace, args: list[str]) -> dict[str, Any]:
-    given = Path(options.baseline)
-    runs: dict[str, list[dict[str, Any]]] = {"baseline": [], "current": []}
-    with contextlib.ExitStack() as stack:
-        if given.is_dir():
-            tree, baseline_rev = given.resolve(), str(given.resolve())
-        else:
-            baseline_rev = harness.revisions(options.baseline)[0]
-            tree = stack.enter_context(harness.baseline_tree(baseline_rev))
-        current_rev = harness.revisions("HEAD")[1]
-        for _ in range(options.repeat):
-            runs["baseline"].append(harness.run_side(__file__, tree, args))
-            runs["current"].append(harness.run_side(__file__, harness.REPO, args))
+    baseline_rev, current_rev, runs = harness.alternate(__file__, options.baseline, args, options.repeat)
     summary: dict[str, Any] = {}
     for scenario in scenarios(options):
         medians = {
@@ -847,30 +836,13 @@ def main() -> None:
     options = parser.parse_args()
     if options.baseline:
         args = [arg for arg in sys.argv[1:]]
-        args = _without(args, "--baseline", 1)
-        args = _without(args, "--repeat", 1)
+        args = harness.without(args, "--baseline", 1)
+        args = harness.without(args, "--repeat", 1)
         result = compare(options, args)
     else:
         result = asyncio.run(measure(options))
     json.dump(result, sys.stdout, indent=2)
     print()
-
-
-def _without(args: list[str], flag: str, values: int) -> list[str]:
-    """`args` without `flag` and the values that follow it (or `flag=value`)."""
-    out: list[str] = []
-    skip = 0
-    for arg in args:
-        if skip:
-            skip -= 1
-            continue
-        if arg == flag:
-            skip = values
-            continue
-        if arg.startswith(flag + "="):
-            continue
-        out.append(arg)
-    return out
 
 
 if __name__ == "__main__":

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import gzip
 import importlib
 import json
@@ -296,18 +295,7 @@ FIGURES = ("bytes", "gzip_bytes", "series", "series_per_database", "scrape_ms", 
 
 
 def compare(options: argparse.Namespace, args: list[str]) -> dict[str, Any]:
-    given = Path(options.baseline)
-    runs: dict[str, list[dict[str, Any]]] = {"baseline": [], "current": []}
-    with contextlib.ExitStack() as stack:
-        if given.is_dir():
-            tree, baseline_rev = given.resolve(), str(given.resolve())
-        else:
-            baseline_rev = harness.revisions(options.baseline)[0]
-            tree = stack.enter_context(harness.baseline_tree(baseline_rev))
-        current_rev = harness.revisions("HEAD")[1]
-        for _ in range(options.repeat):
-            runs["baseline"].append(harness.run_side(__file__, tree, args))
-            runs["current"].append(harness.run_side(__file__, harness.REPO, args))
+    baseline_rev, current_rev, runs = harness.alternate(__file__, options.baseline, args, options.repeat)
     medians = {
         side: {name: round(statistics.median(run[name] for run in found), 2) for name in FIGURES}
         for side, found in runs.items()
@@ -327,20 +315,6 @@ def compare(options: argparse.Namespace, args: list[str]) -> dict[str, Any]:
     }
 
 
-def _without(args: list[str], flag: str) -> list[str]:
-    """`args` without `flag` and its value (or `flag=value`)."""
-    out: list[str] = []
-    skip = False
-    for arg in args:
-        if skip:
-            skip = False
-        elif arg == flag:
-            skip = True
-        elif not arg.startswith(flag + "="):
-            out.append(arg)
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--databases", type=int, default=1000, help="databases the node and its peers hold (1000)")
@@ -352,7 +326,7 @@ def main() -> None:
     parser.add_argument("--code", type=Path, default=harness.REPO, help="the tree measured (default: this one)")
     options = parser.parse_args()
     if options.baseline:
-        result = compare(options, _without(_without(sys.argv[1:], "--baseline"), "--repeat"))
+        result = compare(options, harness.without(harness.without(sys.argv[1:], "--baseline"), "--repeat"))
     else:
         result = measure(options)
     json.dump(result, sys.stdout, indent=2)

@@ -150,7 +150,6 @@ FIGURES = ("latency_median_ms", "latency_p99_ms", "idle_worker_core_percent_max"
 
 
 def compare(options: argparse.Namespace) -> dict:
-    baseline_rev, current_rev = harness.revisions(options.baseline)
     args = [
         "--writes",
         str(options.writes),
@@ -161,11 +160,7 @@ def compare(options: argparse.Namespace) -> dict:
         "--idle-seconds",
         str(options.idle_seconds),
     ]
-    runs: dict[str, list[dict]] = {"baseline": [], "current": []}
-    with harness.baseline_tree(baseline_rev) as tree:
-        for _ in range(options.repeat):
-            runs["baseline"].append(harness.run_side(__file__, tree, args))
-            runs["current"].append(harness.run_side(__file__, harness.REPO, args))
+    baseline_rev, current_rev, runs = harness.alternate(__file__, options.baseline, args, options.repeat)
     medians = {side: {f: statistics.median(run[f] for run in found) for f in FIGURES} for side, found in runs.items()}
     return {
         "benchmark": "write_latency",
