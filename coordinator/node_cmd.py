@@ -149,8 +149,8 @@ async def cmd_node_add(
     token: str = "",
     config: str | None = None,
 ) -> int:
-    if not NAME_RE.fullmatch(name):
-        return _fail(f"bad node name {name[:80]!r}: use 1 to 64 of A-Z a-z 0-9 _ -", EXIT_USAGE)
+    if (refused := _bad_name(name)) is not None:
+        return refused
     if not url.strip().startswith(("wss://", "ws://")):
         return _fail(f"--url: expected the node's wss:// URL (its node.url), got {url!r}", EXIT_USAGE)
     try:
@@ -198,8 +198,8 @@ async def cmd_node_remove(
     from replicator.shared import revocation
     from replicator.shared.tls import TlsConfigError
 
-    if not NAME_RE.fullmatch(name):
-        return _fail(f"bad node name {name[:80]!r}: use 1 to 64 of A-Z a-z 0-9 _ -", EXIT_USAGE)
+    if (refused := _bad_name(name)) is not None:
+        return refused
     if revoke and not ca:
         return _fail("--revoke needs --ca DIR, the cluster CA folder whose ca.key signs the revocation", EXIT_USAGE)
     if ca and not revoke:
@@ -283,6 +283,13 @@ async def cmd_node_remove(
         return 0
 
     return await _with_admin(admin, token, config, run)
+
+
+def _bad_name(name: str) -> int | None:
+    """EXIT_USAGE, said, for a name no node can have; None for a good one."""
+    if NAME_RE.fullmatch(name):
+        return None
+    return _fail(f"bad node name {name[:80]!r}: use 1 to 64 of A-Z a-z 0-9 _ -", EXIT_USAGE)
 
 
 def _fail(message: str, code: int) -> int:

@@ -121,3 +121,18 @@ def test_node_list_as_a_table() -> None:
     assert "orders,users" in rows["b"] and "own, static" in rows["b"] and "yes, 2/2 pairs  now" in rows["b"]
     assert "NO, 0/1 pairs" in rows["c"] and "5m ago" in rows["c"] and rows["c"].endswith("REVOKED")
     assert "(config)" in rows["d"] and "never" in rows["d"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["node", "remove", "c/../d"],
+        ["node", "add", "c d", "--url", "wss://127.0.0.1:9443"],
+    ],
+)
+def test_a_name_no_node_can_have_is_refused_before_any_request(
+    args: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main([*args, "--admin", "http://127.0.0.1:1", "--json"]) == 2
+    name = args[2]
+    assert json.loads(capsys.readouterr().out)["error"] == (f"bad node name {name!r}: use 1 to 64 of A-Z a-z 0-9 _ -")
