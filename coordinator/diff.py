@@ -4,7 +4,8 @@ Each node's `/digest/{database}` names its tables and their digests; only a tabl
 node lacks) is looked into. There the two digest trees are compared from the root down through the admin port's
 read-only tree queries (`coordinator.digest_tree`), descending only into the nodes whose digests differ, as an
 anti-entropy round does (`workers.antientropy`): the same tree, the same LEAF_ROWS at which a node is settled by
-comparing its rows, the same batches (`query_batches`), so every request stays within the caps the node enforces.
+comparing its rows, the same batches (`query_batches`), so every request stays within the caps the node enforces
+(`shared.antientropy_queries`).
 Nothing is read in full, and nothing is changed: the nodes' anti-entropy rounds repair what this lists.
 
 The descent is depth first and stops once `limit` records are found (`truncated`), so a large divergence costs a
@@ -31,9 +32,7 @@ from replicator.coordinator.admin_client import ADMIN_TOKEN_ENV, admin_headers
 from replicator.coordinator.digest_tree import ROWS, TREE, encoded, tree_query
 from replicator.coordinator.inspect import _table as table_text
 from replicator.shared import digests
-from replicator.shared.config import NAME_RE
-from replicator.shared.store import Database
-from replicator.workers.antientropy import (
+from replicator.shared.antientropy_queries import (
     LEAF_ROWS,
     MAX_ROUND_QUERIES,
     BadQuery,
@@ -41,6 +40,8 @@ from replicator.workers.antientropy import (
     RowsReply,
     query_batches,
 )
+from replicator.shared.config import NAME_RE
+from replicator.shared.store import Database
 
 EXIT_SAME = 0
 EXIT_DIFFERENT = 1

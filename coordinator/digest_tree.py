@@ -6,13 +6,13 @@ GET /digest/{database}/{table}/rows?level=L&nodes=N,N,...   the rows under those
     {"database", "table", "level", "nodes", "rows": [[id, version, origin, tombstone, checksum or null]]}
     (checksum null: the row is damaged here)
 
-They are the anti-entropy queries `Children` and `Rows` (`workers.antientropy`) asked over plain HTTP with the admin
-token, and they cost what those cost the serving end, under the same caps: `check_query` (at most MAX_NODES nodes,
-each once, within their level) and `answer` (a rows answer of at most MAX_ROWS rows, refused before any row is read
-when the bucket digests count more; at most MAX_SCAN_ROWS rows of the buckets below the stored level). Past a cap the
-request is a 400 naming it, never answered in part. The store reads in a thread, in chunks under separate holds of
-the connection (`Database._bucket_chunks`), QUERIES_PER_PEER requests at a time (`Admission`, WAITING_PER_PEER more
-waiting at most listen.request_timeout, 503 beyond), so the coordinator's loop keeps serving.
+They are the anti-entropy queries `Children` and `Rows` (`shared.antientropy_queries`) asked over plain HTTP with the
+admin token, and they cost what those cost the serving end, under the same caps: `check_query` (at most MAX_NODES nodes,
+each once, within their level) and `answer` (a rows answer of at most MAX_ROWS rows, refused before any row is read when
+the bucket digests count more; at most MAX_SCAN_ROWS rows of the buckets below the stored level). Past a cap the request
+is a 400 naming it, never answered in part. The store reads in a thread, in chunks under separate holds of the
+connection (`Database._bucket_chunks`), QUERIES_PER_PEER requests at a time (`Admission`, WAITING_PER_PEER more waiting
+at most listen.request_timeout, 503 beyond), so the coordinator's loop keeps serving.
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from aiohttp import web
 
 from replicator.coordinator.view import AdminView
 from replicator.shared import digests
-from replicator.shared.store import BadName, Database, RefusedFile, UnknownDatabase
-from replicator.workers.antientropy import (
+from replicator.shared.antientropy_queries import (
     QUERIES_PER_PEER,
     WAITING_PER_PEER,
     Admission,
@@ -37,6 +36,7 @@ from replicator.workers.antientropy import (
     answer,
     check_query,
 )
+from replicator.shared.store import BadName, Database, RefusedFile, UnknownDatabase
 
 TREE = "tree"
 ROWS = "rows"

@@ -16,12 +16,13 @@ from typing import Any
 
 from aiohttp import web
 
+from replicator.shared import antientropy_queries as queries
 from replicator.shared import wire
 from replicator.shared.http_errors import error_response, json_runner
 from replicator.shared.logs import capture_library_logs, log
 from replicator.shared.store import UnknownDatabase
 from replicator.shared.tls import PeerIdentity, peer_identity
-from replicator.workers import antientropy, blobs, frames, send_auth
+from replicator.workers import blobs, frames, send_auth
 from replicator.workers.context import WorkerContext
 from replicator.workers.data_api import DataApi, answer_errors
 from replicator.workers.listener import GuardedSite
@@ -39,7 +40,7 @@ class ReplicationServer:
         self._sockets: dict[Any, PeerIdentity] = {}  # live replication sessions, by the peer's identity
         # The sender of each live session, and an event set once it no longer uses the store.
         self._senders: dict[Any, tuple[Sender, asyncio.Event]] = {}
-        self._queries = antientropy.Admission()  # turns to answer anti-entropy queries, per peer and in all
+        self._queries = queries.Admission()  # turns to answer anti-entropy queries, per peer and in all
         app = web.Application(client_max_size=ctx.config.replication.max_frame_bytes, middlewares=[answer_errors])
         app.router.add_get("/replication", self.replication)
         app.router.add_post("/replication/antientropy", self.antientropy)
@@ -137,7 +138,7 @@ class ReplicationServer:
     async def antientropy(self, request: web.Request) -> web.Response:
         """One anti-entropy query from a peer (see `workers.antientropy`): msgpack in, msgpack out. Answered in a
         thread, at most QUERIES_PER_PEER of one peer at once (`Admission`): the loop goes on meanwhile, and every
-        answer is bounded by the caps `antientropy.answer` enforces."""
+        answer is bounded by the caps `queries.answer` enforces."""
         identity = await self._peer(request)
         if isinstance(identity, web.Response):
             return identity
@@ -146,23 +147,23 @@ class ReplicationServer:
         try:
             async with self._queries.turn(peer, timeout) as turn:
                 return await self._answer(request, peer, timeout, turn)
-        except antientropy.Busy as exc:
+        except queries.Busy as exc:
             log.warning("antientropy_refused", peer=peer, reason=str(exc), sample_by=("peer",))
             busy = error_response(503, str(exc))
             busy.headers["Retry-After"] = "1"
             return busy
 
-    async def _answer(self, request: web.Request, peer: str, timeout: float, turn: antientropy.Turn) -> web.Response:
+    async def _answer(self, request: web.Request, peer: str, timeout: float, turn: queries.Turn) -> web.Response:
         try:
             async with asyncio.timeout(timeout):
                 body = await request.read()
         except TimeoutError:
             return error_response(408, "the query did not arrive within listen.request_timeout")
-        if len(body) > antientropy.MAX_QUERY_BYTES:
-            return error_response(413, f"a query is at most {antientropy.MAX_QUERY_BYTES} bytes")
+        if len(body) > queries.MAX_QUERY_BYTES:
+            return error_response(413, f"a query is at most {queries.MAX_QUERY_BYTES} bytes")
         try:
-            query = antientropy.decode_query(body)
-        except antientropy.BadQuery as exc:
+            query = queries.decode_query(body)
+        except queries.BadQuery as exc:
             log.warning("antientropy_refused", peer=peer, reason=str(exc), sample_by=("peer",))
             return error_response(400, str(exc))
         if not self._ctx.replicates(query.database):
@@ -172,8 +173,8 @@ class ReplicationServer:
         except UnknownDatabase as exc:
             return error_response(404, str(exc))
         try:
-            reply = await turn.run(antientropy.answer_bytes, db, query)
-        except antientropy.BadQuery as exc:
+            reply = await turn.run(queries.answer_bytes, db, query)
+        except queries.BadQuery as exc:
             log.warning("antientropy_refused", peer=peer, reason=str(exc), sample_by=("peer",))
             return error_response(400, str(exc))
         return web.Response(body=reply, content_type="application/msgpack")

@@ -330,8 +330,8 @@ async def test_a_delete_outlives_a_holder_that_missed_it_and_is_purged_once_ever
 
 
 async def test_hostile_anti_entropy_queries_are_refused_with_a_reason(mesh: LocalCluster, tmp_path: Path) -> None:
+    from replicator.shared.antientropy_queries import Fetch, Roots, RootsReply, encode
     from replicator.shared.tls import client_context, issue_node_cert
-    from replicator.workers.antientropy import Fetch, Roots, RootsReply, encode
 
     ca = mesh.dir / "ca"
     url = mesh["a"].url.replace("wss://", "https://") + "/replication/antientropy"
@@ -377,8 +377,8 @@ async def test_a_certificate_holders_costliest_queries_are_refused_or_bounded_an
     """Issue 21: `Rows(level 0, nodes=[0] * 256)` on a 20,000-row table held a worker's loop 14 s (the coordinator
     killed it as hung) and a Fetch of 1,024 copies of one id answered 205 MB. Now each is refused with its reason or
     answered within its caps, in a thread: the data API answers meanwhile, and no worker is replaced."""
+    from replicator.shared.antientropy_queries import FETCH_BYTES, Fetch, FetchReply, Rows, encode
     from replicator.shared.tls import client_context, issue_node_cert
-    from replicator.workers.antientropy import FETCH_BYTES, Fetch, FetchReply, Rows, encode
 
     database = "costly_ae"
     ids = [f"k{i:05d}" for i in range(20_000)]

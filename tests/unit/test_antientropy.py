@@ -11,19 +11,21 @@ import msgspec
 import pytest
 
 from replicator.shared import digests
-from replicator.shared.store import DamagedRecord, Database, Store
-from replicator.shared.wire import Entry
-from replicator.workers.antientropy import (
+from replicator.shared.antientropy_queries import (
     BadQuery,
     Children,
     Fetch,
     Roots,
-    Round,
-    RoundResult,
     Rows,
-    Transport,
     decode_query,
     encode,
+)
+from replicator.shared.store import DamagedRecord, Database, Store
+from replicator.shared.wire import Entry
+from replicator.workers.antientropy import (
+    Round,
+    RoundResult,
+    Transport,
     local_transport,
 )
 from tests.unit.test_store import FakeClock

@@ -25,11 +25,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from replicator.shared import antientropy_queries as queries
 from replicator.shared import digests, messages
-from replicator.shared.store import Database, Store
-from replicator.shared.wire import Entry
-from replicator.workers import antientropy
-from replicator.workers.antientropy import (
+from replicator.shared.antientropy_queries import (
     Admission,
     BadQuery,
     Busy,
@@ -37,19 +35,24 @@ from replicator.workers.antientropy import (
     ChildrenReply,
     Fetch,
     FetchReply,
-    Limits,
     Roots,
     RootsReply,
-    Round,
-    RoundResult,
     Rows,
     RowsReply,
     State,
     StateReply,
-    Transport,
     answer,
     decode_query,
     encode,
+)
+from replicator.shared.store import Database, Store
+from replicator.shared.wire import Entry
+from replicator.workers import antientropy
+from replicator.workers.antientropy import (
+    Limits,
+    Round,
+    RoundResult,
+    Transport,
     local_transport,
 )
 from tests.unit.fakeloop import VirtualTimeLoop
@@ -127,9 +130,9 @@ def test_the_issues_rows_query_is_refused_before_a_row_is_read(served: Database,
     assert reads == []
     # What an honest puller asks, the rows of small nodes, is answered.
     level = digests.STORED_LEVEL + 2
-    nodes = _nodes_of(served, "t", level)[: antientropy.MAX_ROW_NODES]
+    nodes = _nodes_of(served, "t", level)[: queries.MAX_ROW_NODES]
     reply = answer(served, Rows(database="d", table="t", level=level, nodes=nodes))
-    assert isinstance(reply, RowsReply) and 0 < len(reply.rows) <= antientropy.MAX_ROWS
+    assert isinstance(reply, RowsReply) and 0 < len(reply.rows) <= queries.MAX_ROWS
 
 
 def test_a_fetch_answer_is_capped_in_bytes_and_names_the_ids_it_left(served: Database) -> None:
@@ -137,8 +140,8 @@ def test_a_fetch_answer_is_capped_in_bytes_and_names_the_ids_it_left(served: Dat
     reply = answer(served, decode_query(encode(Fetch(database="d", table="big", ids=ids))))
     assert isinstance(reply, FetchReply)
     served_bytes = sum(len(entry.id) + len(entry.value) for entry in reply.entries)
-    assert served_bytes <= antientropy.FETCH_BYTES
-    assert len(reply.entries) == antientropy.FETCH_BYTES // (BIG_VALUE + 8)  # 20 of the 40
+    assert served_bytes <= queries.FETCH_BYTES
+    assert len(reply.entries) == queries.FETCH_BYTES // (BIG_VALUE + 8)  # 20 of the 40
     assert [entry.id for entry in reply.entries] + reply.left == ids
     # One record larger than the budget alone is still served: every Fetch makes progress.
     assert len(served.fetch_within("big", ids[:2], 1000)[0]) == 1
@@ -152,7 +155,7 @@ def test_queries_below_the_buckets_read_their_buckets_once_and_within_the_cap(
     assert len({digests.bucket_above(level, node) for node in nodes}) == 1 and len(nodes) == digests.FANOUT
     answer(served, Children(database="d", table="hot", level=level, nodes=nodes))
     assert sum(reads) == len(HOT)  # not once per node
-    monkeypatch.setattr(antientropy, "MAX_SCAN_ROWS", 1000)
+    monkeypatch.setattr(queries, "MAX_SCAN_ROWS", 1000)
     for query in (
         Children(database="d", table="hot", level=level, nodes=nodes[:1]),
         Rows(database="d", table="hot", level=level, nodes=nodes[:1]),
@@ -245,7 +248,7 @@ def test_no_query_makes_an_answer_exceed_its_caps(served: Database, reads: list[
     reads.clear()
     with pytest.MonkeyPatch.context() as patch:
         for name, value in CAPS.items():
-            patch.setattr(antientropy, name, value)
+            patch.setattr(queries, name, value)
         try:
             reply = answer(served, decode_query(encode(query)))
         except BadQuery as exc:
@@ -371,7 +374,7 @@ def test_a_peer_that_says_every_child_differs_fails_the_round_on_its_frontier(tm
     peer = Hostile(claim)
     result = _round(db, peer)
     assert result.limit == "frontier" and "tree nodes of one table pending" in result.error
-    assert result.pending_most <= antientropy.MAX_FRONTIER + digests.FANOUT * antientropy.MAX_NODES
+    assert result.pending_most <= antientropy.MAX_FRONTIER + digests.FANOUT * queries.MAX_NODES
     assert result.queries == peer.asked <= antientropy.MAX_ROUND_QUERIES
     assert result.repaired == 0
 
@@ -450,8 +453,8 @@ def test_queries_below_the_buckets_stay_within_the_peers_scan_cap(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An honest peer whose buckets are large: the puller puts fewer nodes in a query, so the peer never refuses."""
-    monkeypatch.setattr(antientropy, "MAX_SCAN_ROWS", 400)
-    monkeypatch.setattr(antientropy, "SCAN_BATCH", 200)
+    monkeypatch.setattr(queries, "MAX_SCAN_ROWS", 400)
+    monkeypatch.setattr(queries, "SCAN_BATCH", 200)
     a, b = _open(tmp_path, "a"), _open(tmp_path, "b")
     ids = [f"k{i:05d}" for i in range(5000)]  # 100 rows per bucket
     a.put_many("t", [(record_id, _v(record_id)) for record_id in ids])
@@ -562,7 +565,7 @@ def test_no_hostile_peer_makes_a_round_exceed_its_limits_and_every_round_ends(
         result = _round(db, hostile, limits=LIMITS)  # returns: the round ended
     event(f"limit {result.limit}" if result.limit else f"error: {result.error[:30]}" if result.error else "completed")
     assert result.queries <= LIMITS.queries
-    assert result.pending_most <= LIMITS.frontier + digests.FANOUT * antientropy.MAX_NODES
-    assert result.bytes_exchanged <= LIMITS.bytes + largest[0] + antientropy.MAX_QUERY_BYTES
+    assert result.pending_most <= LIMITS.frontier + digests.FANOUT * queries.MAX_NODES
+    assert result.bytes_exchanged <= LIMITS.bytes + largest[0] + queries.MAX_QUERY_BYTES
     assert result.limit in ("", *messages.ROUND_LIMITS)
     assert bool(result.limit) <= bool(result.error)

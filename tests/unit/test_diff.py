@@ -14,8 +14,8 @@ import pytest
 from replicator.coordinator.diff import Descent, Difference, DiffError, LocalSide, document, newer
 from replicator.coordinator.digest_tree import ROWS, TREE, encoded, tree_query
 from replicator.shared import digests
+from replicator.shared.antientropy_queries import LEAF_ROWS, MAX_NODES, MAX_ROWS, BadQuery
 from replicator.shared.store import DamagedRecord, Database, Store
-from replicator.workers.antientropy import LEAF_ROWS, MAX_NODES, MAX_ROWS, BadQuery
 from tests.unit.test_store import FakeClock
 
 
