@@ -99,6 +99,14 @@ async def speaks_tls(host: str, port: int, timeout: float = PROBE_TIMEOUT) -> bo
     return True
 
 
+def of_config(path: str) -> str:
+    """The admin URL of the node whose config file is `path`: its listen.admin_host and listen.admin_port, a wildcard
+    host dialled on loopback. ConfigError when the file does not load."""
+    listen = load(path).listen
+    host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(listen.admin_host, listen.admin_host)
+    return f"http://{f'[{host}]' if ':' in host else host}:{listen.admin_port}"
+
+
 def _plain_text_answer(exc: BaseException) -> bool:
     """A TLS handshake that failed because the server answered in plain text (it does not speak TLS)."""
     cause = exc.os_error if isinstance(exc, aiohttp.ClientConnectorSSLError) else exc

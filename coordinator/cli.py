@@ -118,7 +118,7 @@ def _token_config(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     admins = admin_urls()
-    admin_help = f"(default: the first URL in ${ADMIN_ENV} when set)"
+    admin_help = f"(default: the first URL in ${ADMIN_ENV} when set, else the admin port of --config)"
     parser = _Parser(
         prog="replicator",
         description="A replication node: identical databases across a cluster.",
@@ -342,8 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     status.add_argument(
         "--admin",
-        default=admins[0] if admins else DEFAULT_ADMIN,
-        help=f"the node's admin URL (default: the first URL in ${ADMIN_ENV} when set, else {DEFAULT_ADMIN})",
+        default=admins[0] if admins else None,
+        help=f"the node's admin URL (default: the first URL in ${ADMIN_ENV} when set, else the admin port of --config,"
+        f" else {DEFAULT_ADMIN})",
     )
     status.add_argument(
         "--json",
@@ -443,7 +444,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     delete_database.add_argument(
         "--admin",
-        required=not admins,
         default=admins[0] if admins else None,
         help=f"a node's admin URL, e.g. {DEFAULT_ADMIN} {admin_help}",
     )
@@ -499,7 +499,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     repair_blobs.add_argument(
         "--admin",
-        required=not admins,
         default=admins[0] if admins else None,
         help=f"the node's admin URL, e.g. {DEFAULT_ADMIN} {admin_help}",
     )
@@ -524,7 +523,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     backup.add_argument(
         "--admin",
-        required=not admins,
         default=admins[0] if admins else None,
         help=f"the node's admin URL, e.g. {DEFAULT_ADMIN} {admin_help}",
     )
@@ -581,7 +579,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _node_parsers(commands: Any, admins: list[str]) -> None:
-    admin_help = f"(default: the first URL in ${ADMIN_ENV} when set)"
+    admin_help = f"(default: the first URL in ${ADMIN_ENV} when set, else the admin port of --config)"
     node = commands.add_parser(
         "node",
         help="the cluster's nodes: list them, add one, remove one (through a node's admin port)",
@@ -632,8 +630,7 @@ def _node_parsers(commands: Any, admins: list[str]) -> None:
     for sub in (listing, add, remove):
         sub.add_argument(
             "--admin",
-            required=sub is not listing and not admins,
-            default=admins[0] if admins else (DEFAULT_ADMIN if sub is listing else None),
+            default=admins[0] if admins else None,
             help=f"a node's admin URL, e.g. {DEFAULT_ADMIN} {admin_help}"
             + (f" (else {DEFAULT_ADMIN})" if sub is listing else ""),
         )
@@ -713,7 +710,7 @@ def _main(argv: list[str], failures: _JsonFailures | None = None) -> int:
         # A node runs in this process (and forks its workers from it): its streams stay the real ones. `run
         # --json` logs JSON lines, and `clone --json` prints its own last line, failed or done.
         failures.stop()
-    if (refused := _check_admin_urls(args)) is not None:
+    if (refused := _default_admin(args) or _check_admin_urls(args)) is not None:
         print(f"replicator {args.command}: {refused}", file=sys.stderr)
         return EXIT_USAGE
     config = getattr(args, "config", None)
@@ -859,6 +856,32 @@ def _node(args: argparse.Namespace) -> int:
     return _asyncio_run(
         node_cmd.cmd_node_remove(args.admin, args.name, revoke=args.revoke, ca=args.ca, force=args.force, **common)
     )
+
+
+# The commands that ask one node's admin port, and their --admin when neither it, $REPLICATOR_ADMIN nor --config
+# names one (None: required).
+_ONE_ADMIN = {"status": DEFAULT_ADMIN, "node list": DEFAULT_ADMIN, "node add": None, "node remove": None}
+_ONE_ADMIN |= {"delete-database": None, "repair-blobs": None, "backup": None}
+
+
+def _default_admin(args: argparse.Namespace) -> str | None:
+    """Fill in --admin of a command that asks one node, when not given (nor by $REPLICATOR_ADMIN): the admin port
+    of --config, else the command's default. What is wrong, when neither gives one, or None."""
+    from replicator.coordinator import admin_url
+
+    command = f"node {args.node_command}" if args.command == "node" else args.command
+    if command not in _ONE_ADMIN or args.admin is not None:
+        return None
+    if getattr(args, "config", None):
+        try:
+            args.admin = admin_url.of_config(args.config)
+        except ConfigError as exc:
+            return f"--config: {exc}"
+        return None
+    args.admin = _ONE_ADMIN[command]
+    if args.admin is None:
+        return f"--admin URL is required (or ${ADMIN_ENV}, or --config FILE for that node's admin port)"
+    return None
 
 
 def _check_admin_urls(args: argparse.Namespace) -> str | None:

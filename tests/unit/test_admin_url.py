@@ -5,6 +5,7 @@ port that answers in plain HTTP (a real aiohttp server)."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -136,3 +137,38 @@ async def test_a_port_nobody_listens_on_is_no_mistake_of_the_url() -> None:
     (port,) = free_ports(1)
     for url in (f"http://127.0.0.1:{port}", f"https://127.0.0.1:{port}"):
         assert await admin_url.explain(url, await _failure(url)) is None
+
+
+@pytest.mark.parametrize(
+    ("host", "dialled"),
+    [("127.0.0.1", "127.0.0.1"), ("0.0.0.0", "127.0.0.1"), ("::", "[::1]"), ("fd00::7", "[fd00::7]")],
+)
+def test_the_admin_url_of_a_config_dials_a_wildcard_host_on_loopback(
+    node_config: tuple[Path, int], host: str, dialled: str
+) -> None:
+    config, admin_port = node_config
+    text = config.read_text()
+    assert 'admin_host = "127.0.0.1"' in text
+    config.write_text(text.replace('admin_host = "127.0.0.1"', f'admin_host = "{host}"'))
+    assert admin_url.of_config(str(config)) == f"http://{dialled}:{admin_port}"
+
+
+def test_a_command_given_only_config_asks_that_nodes_admin_port(
+    node_config: tuple[Path, int], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from replicator.coordinator import cli
+
+    monkeypatch.delenv(cli.ADMIN_ENV, raising=False)
+    config, admin_port = node_config  # nothing listens there
+    assert cli.main(["status", "--config", str(config)]) == 1
+    assert f"http://127.0.0.1:{admin_port}" in capsys.readouterr().err
+    assert cli.main(["node", "remove", "c", "--config", str(config)]) == 1
+    assert f"http://127.0.0.1:{admin_port}/nodes" in capsys.readouterr().err
+
+    # Without --config, a command with no default admin URL says what to give.
+    assert cli.main(["node", "remove", "c", "--json"]) == 2
+    assert json.loads(capsys.readouterr().out)["error"] == (
+        "--admin URL is required (or $REPLICATOR_ADMIN, or --config FILE for that node's admin port)"
+    )
+    assert cli.main(["backup", "--out", "x", "--config", str(config / "missing.toml")]) == 2
+    assert "--config:" in capsys.readouterr().err

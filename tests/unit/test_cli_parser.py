@@ -76,7 +76,8 @@ def test_defaults_are_shown_in_the_help() -> None:
 
 
 def test_admin_defaults_to_replicator_admin(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert cli.build_parser().parse_args(["status"]).admin == cli.DEFAULT_ADMIN
+    args = cli.build_parser().parse_args(["status"])
+    assert cli._default_admin(args) is None and args.admin == cli.DEFAULT_ADMIN
     monkeypatch.setenv(cli.ADMIN_ENV, " http://10.0.0.1:9926 , http://10.0.0.2:9926,")
     parser = cli.build_parser()
 
@@ -89,11 +90,13 @@ def test_admin_defaults_to_replicator_admin(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_without_replicator_admin_the_admin_options_are_required(capsys: pytest.CaptureFixture[str]) -> None:
-    for argv in (["verify"], ["delete-database", "orders"], ["repair-blobs", "orders"]):
-        with pytest.raises(SystemExit) as exit_info:
-            cli.main(argv)
-        assert exit_info.value.code == 2, argv
-        assert "--admin" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["verify"])
+    assert exit_info.value.code == 2
+    assert "--admin" in capsys.readouterr().err
+    for argv in (["delete-database", "orders"], ["repair-blobs", "orders"], ["node", "add", "c", "--url", "wss://c"]):
+        assert cli.main(argv) == 2, argv
+        assert "--admin URL is required" in capsys.readouterr().err
     assert cli.build_parser().parse_args(["certs", "revoke", "--ca", "ca", "--name", "b"]).admin is None
 
 
