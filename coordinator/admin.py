@@ -9,6 +9,9 @@ GET /backup /backup/{database} /backup/{database}/blobs[/{sha256}]   what `repli
 GET /ca   the cluster CA certificates this node trusts (tls.ca as loaded at boot or by the latest reload), PEM, so
     that a new node can check it was issued by the same CA before it joins (`replicator clone`); certificates only,
     never a key
+GET /revocations   every CA-signed revocation the registry holds: [{"id", "revocation", "revokes", "signed_by":
+    {"subject", "fingerprint"}}] (`replicator certs resign`)
+PUT /nodes/{name}/revocations   store a revocation `replicator certs revoke` signed
 PUT /nodes/{name} {"url", "databases", "replicates"[, "leader"]}: an introduction of another node, signed by this
     one (shared.membership); a node's own row always wins over it. 409 with "limit" past the introduction caps
     (membership.MAX_PENDING_PER_INTRODUCER of this node's, MAX_PENDING_INTRODUCTIONS in all).   DELETE /nodes/{name}
@@ -55,7 +58,7 @@ from replicator.shared.http_errors import json_runner
 from replicator.shared.keys import normalize_url
 from replicator.shared.logs import capture_library_logs, log
 from replicator.shared.store import SYSTEM, BadName, NodeRow, RefusedFile, UnknownDatabase
-from replicator.shared.tls import TlsConfigError, ca_certificates, certificate_identity, certificates_pem
+from replicator.shared.tls import TlsConfigError, ca_certificates, certificate_identity, certificates_pem, fingerprint
 
 _json = msgspec.json.Encoder()
 MAX_WAIT = 3600.0  # the longest `?timeout=` a run-now request may ask for
@@ -121,6 +124,7 @@ class AdminServer:
         app.router.add_get("/ca", self.ca)
         app.router.add_put("/nodes/{name}", self.put_node)
         app.router.add_put("/nodes/{name}/revocations", self.put_revocation)
+        app.router.add_get("/revocations", self.revocations)
         app.router.add_delete("/nodes/{name}", self.delete_node)
         app.router.add_get("/digest/{database}", self.digest)
         app.router.add_delete("/databases/{name}", self.delete_database)
@@ -401,6 +405,25 @@ class AdminServer:
         self._node.poke_registry()
         log.warning("certificate_revoked", name=name, serial=found.serial or "all", id=found.record_id)
         return _reply({"name": name, "id": found.record_id, "version": version, "revokes": found.describe()})
+
+    async def revocations(self, request: web.Request) -> web.Response:
+        """Every revocation the registry holds that a CA of this node's bundle signed, each with that CA: what
+        `replicator certs resign` signs again with a new CA before the old one leaves the bundles."""
+        ca = self._node.verifier.ca
+        listing = []
+        for found in sorted(self._node.revocations(), key=lambda r: r.record_id):
+            authority = revocation.signed_by(found, ca) if ca is not None else None
+            listing.append(
+                {
+                    "id": found.record_id,
+                    "revocation": msgspec.to_builtins(found),
+                    "revokes": found.describe(),
+                    "signed_by": None
+                    if authority is None
+                    else {"subject": authority.subject.rfc4514_string(), "fingerprint": fingerprint(authority)},
+                }
+            )
+        return _reply(listing)
 
     async def delete_node(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]

@@ -16,7 +16,7 @@ import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import aiohttp
 import msgspec
@@ -149,6 +149,55 @@ def cmd_certs_revoke(
         for line in said:
             print(line)
     return 0
+
+
+def cmd_certs_resign(ca: str, admin: str, token: str = "", *, as_json: bool = False, config: str | None = None) -> int:
+    """Sign again with the CA of `ca` every revocation the node at `admin` holds that another CA of its bundle signed,
+    and store each through it: the step of a CA rotation before the old CA leaves the bundles (ops/RUNBOOK.md). Each
+    keeps its id, node, serial and time, so it revokes what it did; signed by the new CA, it still counts once the old
+    one goes, and a node copying the registry from scratch then takes it."""
+    from replicator.coordinator.admin_port import EXIT_USAGE, AdminPort, Failed, reason_of, with_admin
+    from replicator.shared import revocation
+
+    try:
+        authority = revocation.signing_ca(ca)  # the key too: nothing is asked of the node when it cannot sign
+    except TlsConfigError as exc:
+        return _fail("certs resign", f"--ca: {exc}", EXIT_USAGE)
+
+    async def run(node: AdminPort) -> int:
+        status, listing = await node.request("GET", "/revocations")
+        if status != 200 or not isinstance(listing, list):
+            raise Failed(f"{node.url}/revocations answered {status}{reason_of(listing)}")
+        signed_again, already = [], []
+        for item in listing:
+            try:
+                found = msgspec.convert(item["revocation"], revocation.Revocation)
+            except (msgspec.ValidationError, KeyError, TypeError) as exc:
+                raise Failed(f"{node.url}/revocations: not a revocation: {exc}") from None
+            if revocation.signed_by(found, authority) is not None:
+                already.append(found.record_id)
+                continue
+            again = revocation.sign_again(found, ca)
+            path = f"/nodes/{quote(found.name)}/revocations"
+            status, answer = await node.request("PUT", path, msgspec.json.encode(again))
+            if status != 200:
+                hint = ""
+                if status == 400:
+                    hint = f" (does {node.url}'s tls.ca hold the CA of --ca? add it to every node's bundle first)"
+                raise Failed(f"{node.url}{path} answered {status}{reason_of(answer)}{hint}")
+            signed_again.append(found.record_id)
+        subject = authority.subject.rfc4514_string()
+        if as_json:
+            document = {"ok": True, "ca": subject, "signed_again": signed_again, "already": already}
+            print(json.dumps(document, indent=2))
+        else:
+            print(
+                f"signed {len(signed_again)} revocations again with {subject} through {node.url}"
+                f" ({len(already)} were signed by it already); they replicate to every node"
+            )
+        return 0
+
+    return asyncio.run(with_admin(admin, token, config, run, "certs resign"))
 
 
 async def _put(url: str, body: bytes, token: str, admin: str, config: str | None) -> tuple[str | None, int]:

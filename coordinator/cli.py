@@ -259,6 +259,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _json_flag(revoke, '{"ok", "revocation", "id", "revokes", "out", "stored"}')
     _token_config(revoke)
+    resign = certs_commands.add_parser(
+        "resign",
+        help="sign again with a new CA every revocation a node holds that another CA signed (a CA rotation)",
+        description="Sign again with the CA of --ca every revocation the registry holds that another CA signed, and "
+        "store each through a node's admin URL: the same node, serial and time, so each revokes what it did and still "
+        'counts once the old CA leaves the bundles (ops/RUNBOOK.md, "Rotating the CA"). Run it after every node '
+        "trusts the new CA. Exit 0 when every revocation is signed by that CA, 1 when the node cannot be reached or "
+        "refused one, 2 on a usage error.",
+        epilog=_epilog("replicator certs resign --ca /root/replicator-ca-2 --admin http://127.0.0.1:9926"),
+    )
+    _complete(resign.add_argument("--ca", required=True, help="the new CA folder (ca.pem and ca.key)"), DIRECTORY)
+    resign.add_argument(
+        "--admin",
+        default=admins[0] if admins else None,
+        help=f"a node's admin URL, e.g. {DEFAULT_ADMIN} (default: the first URL in ${ADMIN_ENV} when set, else the"
+        " admin port of --config)",
+    )
+    _json_flag(resign, '{"ok", "ca", "signed_again": [id], "already": [id]}')
+    _token_config(resign)
 
     init = commands.add_parser(
         "init",
@@ -711,7 +730,7 @@ def _main(argv: list[str], failures: _JsonFailures | None = None) -> int:
         # --json` logs JSON lines, and `clone --json` prints its own last line, failed or done.
         failures.stop()
     if (refused := _default_admin(args) or _check_admin_urls(args)) is not None:
-        print(f"replicator {args.command}: {refused}", file=sys.stderr)
+        print(f"replicator {_full_command(args)}: {refused}", file=sys.stderr)
         return EXIT_USAGE
     config = getattr(args, "config", None)
     match args.command:
@@ -737,6 +756,11 @@ def _main(argv: list[str], failures: _JsonFailures | None = None) -> int:
                 return certs_cmd.cmd_certs_revoke(
                     args.ca, args.name, args.serial, args.out, args.admin, token, as_json=args.json, config=config
                 )
+            if args.certs_command == "resign":
+                token = _admin_token(args)
+                if token is None:
+                    return EXIT_USAGE
+                return certs_cmd.cmd_certs_resign(args.ca, args.admin, token, as_json=args.json, config=config)
             return certs_cmd.cmd_certs_node(args.ca, args.name, args.host, args.out, as_json=args.json)
         case "init":
             from replicator.coordinator import certs_cmd
@@ -861,7 +885,13 @@ def _node(args: argparse.Namespace) -> int:
 # The commands that ask one node's admin port, and their --admin when neither it, $REPLICATOR_ADMIN nor --config
 # names one (None: required).
 _ONE_ADMIN = {"status": DEFAULT_ADMIN, "node list": DEFAULT_ADMIN, "node add": None, "node remove": None}
-_ONE_ADMIN |= {"delete-database": None, "repair-blobs": None, "backup": None}
+_ONE_ADMIN |= {"delete-database": None, "repair-blobs": None, "backup": None, "certs resign": None}
+
+
+def _full_command(args: argparse.Namespace) -> str:
+    """The command with its subcommand for the groups (`certs resign`, `node list`)."""
+    sub = {"node": "node_command", "certs": "certs_command"}.get(args.command)
+    return f"{args.command} {getattr(args, sub)}" if sub else args.command
 
 
 def _default_admin(args: argparse.Namespace) -> str | None:
@@ -869,7 +899,7 @@ def _default_admin(args: argparse.Namespace) -> str | None:
     of --config, else the command's default. What is wrong, when neither gives one, or None."""
     from replicator.coordinator import admin_url
 
-    command = f"node {args.node_command}" if args.command == "node" else args.command
+    command = _full_command(args)
     if command not in _ONE_ADMIN or args.admin is not None:
         return None
     if getattr(args, "config", None):

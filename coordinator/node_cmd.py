@@ -22,79 +22,24 @@ import sys
 from typing import Any
 from urllib.parse import quote
 
-import aiohttp
 import msgspec
 
-from replicator.coordinator import admin_url
-from replicator.coordinator.admin_client import admin_headers
+from replicator.coordinator.admin_port import EXIT_FAILED, EXIT_USAGE, AdminPort, Failed, reason_of, with_admin
 from replicator.coordinator.inspect import _age as age_text
 from replicator.coordinator.inspect import _table as table_text
 from replicator.shared.config import NAME_RE
 from replicator.shared.keys import normalize_url
 
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-TIMEOUT = aiohttp.ClientTimeout(total=15)
-
-
-class Failed(Exception):
-    def __init__(self, message: str, code: int = EXIT_FAILED) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class _Admin:
-    """One node's admin port: JSON requests with the admin token; a failure to reach it is explained when a common
-    mistake with the URL explains it (`coordinator.admin_url`)."""
-
-    def __init__(self, http: aiohttp.ClientSession, url: str, token: str, config: str | None) -> None:
-        self.url = url
-        self._http = http
-        self._token = token
-        self._config = config
-
-    async def request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, Any]:
-        target = self.url + path
-        headers = admin_headers(self._token, change=method != "GET")
-        try:
-            async with self._http.request(method, target, data=body, headers=headers) as response:
-                text = await response.text()
-                status = response.status
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            hint = await admin_url.explain(self.url, exc, self._config)
-            if hint is not None:
-                raise Failed(hint, EXIT_USAGE) from None
-            raise Failed(f"cannot reach {target}: {exc or type(exc).__name__}") from None
-        try:
-            return status, json.loads(text) if text.strip() else None
-        except ValueError:
-            raise Failed(f"{method} {target} answered {status} with a body that is not JSON: {text[:200]!r}") from None
-
-    async def nodes(self) -> list[dict[str, Any]]:
-        status, body = await self.request("GET", "/nodes?revoked=true")
-        if status != 200 or not isinstance(body, list):
-            raise Failed(f"{self.url}/nodes answered {status}{_reason(body)}")
-        return [item for item in body if isinstance(item, dict) and isinstance(item.get("name"), str)]
-
-
-def _reason(body: Any) -> str:
-    reason = body.get("error") if isinstance(body, dict) else None
-    return f": {reason}" if reason else ""
-
 
 async def _with_admin(admin: str, token: str, config: str | None, action: Any) -> int:
-    try:
-        async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
-            return await action(_Admin(http, admin.rstrip("/"), token, config))
-    except Failed as exc:
-        return _fail(str(exc), exc.code)
+    return await with_admin(admin, token, config, action, "node")
 
 
 # -- list ------------------------------------------------------------------------------------------------------------
 
 
 async def cmd_node_list(admin: str, *, as_json: bool = False, token: str = "", config: str | None = None) -> int:
-    async def run(node: _Admin) -> int:
+    async def run(node: AdminPort) -> int:
         items = await node.nodes()
         asked = next((item["name"] for item in items if item.get("self")), None)
         document = {"node": asked, "admin": node.url, "nodes": items}
@@ -159,12 +104,12 @@ async def cmd_node_add(
         return _fail(f"--url: {exc}", EXIT_USAGE)
     body = json.dumps({"url": url.strip(), "databases": databases or ["*"], "replicates": replicates}).encode()
 
-    async def run(node: _Admin) -> int:
+    async def run(node: AdminPort) -> int:
         status, answer = await node.request("PUT", f"/nodes/{quote(name)}", body)
         if status != 200 or not isinstance(answer, dict):
             # 400 and the node's own name are the caller's mistakes; a cap reached (409 with "limit") is not.
             code = EXIT_FAILED if status >= 500 or (isinstance(answer, dict) and "limit" in answer) else EXIT_USAGE
-            raise Failed(f"{node.url}/nodes/{name} answered {status}{_reason(answer)}", code)
+            raise Failed(f"{node.url}/nodes/{name} answered {status}{reason_of(answer)}", code)
         document = {"ok": True, **answer, "url": url.strip(), "through": node.url}
         if as_json:
             print(json.dumps(document, indent=2))
@@ -215,7 +160,7 @@ async def cmd_node_remove(
         except TlsConfigError as exc:
             return _fail(f"--ca: {exc}", EXIT_USAGE)
 
-    async def run(node: _Admin) -> int:
+    async def run(node: AdminPort) -> int:
         items = await node.nodes()
         asked = next((item["name"] for item in items if item.get("self")), "?")
         item = next((item for item in items if item["name"] == name), None)
@@ -245,13 +190,13 @@ async def cmd_node_remove(
         if signed is not None:
             status, answer = await node.request("PUT", f"/nodes/{quote(name)}/revocations", msgspec.json.encode(signed))
             if status != 200:
-                raise Failed(f"{node.url}/nodes/{name}/revocations answered {status}{_reason(answer)}")
+                raise Failed(f"{node.url}/nodes/{name}/revocations answered {status}{reason_of(answer)}")
             document["revoked"] = {"id": signed.record_id, "revokes": signed.describe()}
         status, answer = await node.request("DELETE", f"/nodes/{quote(name)}")
         if status == 404 and signed is None:
             raise Failed(f"{name} has no row in the registry of {asked} any more (removed meanwhile?)", EXIT_FAILED)
         if status not in (200, 404):
-            raise Failed(f"{node.url}/nodes/{name} answered {status}{_reason(answer)}")
+            raise Failed(f"{node.url}/nodes/{name} answered {status}{reason_of(answer)}")
         document["removed"] = status == 200
         warnings = []
         if item.get("connected") and signed is None:

@@ -3,7 +3,11 @@
 `replicator certs revoke` signs a revocation with the CA key; `PUT /nodes/{name}/revocations` stores it in the
 registry (the `revocations` table of the system database), and it replicates like any record. Every process
 verifies the CA's signature before honouring one, so no node can revoke another on its own, and a revocation is
-never removed or replaced: a tombstone or a different value under its id is refused when a peer sends it.
+never removed: a tombstone under its id, or a value that is not a revocation of that id the CA signed, is refused
+when a peer sends it.
+
+A revocation is signed again (`sign_again`, `replicator certs resign`) when the CA rotates: the same id, another
+signature, so that it still counts, and a node trusting only the new CA takes it, once the old CA leaves the bundles.
 
 A revocation names a node and either one certificate serial, or (no serial) every certificate of that name issued
 before the revocation was signed: the node is re-admitted with a certificate issued afterwards. "Issued" is read
@@ -105,6 +109,29 @@ def sign(ca_dir: str | Path, name: str, serial: str = "", now: float | None = No
 
 
 CA = x509.Certificate | Sequence[x509.Certificate]  # the cluster CA: one, or every one of a bundle (a rotation)
+
+
+def sign_again(found: Revocation, ca_dir: str | Path) -> Revocation:
+    """`found` signed with another CA key (a CA rotation): the same node, serial and time, so the same id; stored, it
+    replaces the one signed by the CA that leaves the bundles, and revokes exactly what that one did."""
+    return sign(ca_dir, found.name, found.serial, now=found.issued_before)
+
+
+def signing_ca(ca_dir: str | Path) -> x509.Certificate:
+    """The CA certificate of a CA folder whose key can sign revocations (TlsConfigError naming the file otherwise)."""
+    cert, _ = _load_ca(*ca_paths(ca_dir))
+    return cert
+
+
+def signed_by(found: Revocation, ca: CA) -> x509.Certificate | None:
+    """The CA of the bundle whose key signed `found`, or None."""
+    for authority in authorities(ca):
+        try:
+            verify(found, authority)
+        except BadRevocation:
+            continue
+        return authority
+    return None
 
 
 def authorities(ca: CA) -> list[x509.Certificate]:

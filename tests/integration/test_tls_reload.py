@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import shutil
 import signal
 import socket
@@ -26,7 +27,7 @@ from replicator.coordinator.local_cluster import HOST, LocalCluster
 from replicator.shared import wire
 from replicator.shared.tls import client_context, create_ca, fingerprint, issue_node_cert
 from tests.certificates import BAD_FILES, install
-from tests.integration.conftest import assert_identical, assert_log_is_json, wait_for
+from tests.integration.conftest import assert_identical, assert_log_is_json, cli, wait_for
 from tests.integration.ledger import Ledger
 
 DATABASE = "rotation"
@@ -187,6 +188,7 @@ async def test_a_certificate_is_renewed_and_the_ca_rotated_without_a_restart_or_
             await asyncio.sleep(0.01)
 
     cluster.start()
+    a_admin = cluster["a"].admin_url
     writers: list[asyncio.Task[None]] = []
     try:
         await cluster.wait_ready()
@@ -208,6 +210,13 @@ async def test_a_certificate_is_renewed_and_the_ca_rotated_without_a_restart_or_
         await renew_pair(cluster, "b", "a")  # a new handshake with the renewed certificate, both ways
         await renew_pair(cluster, "a", "c")
 
+        # A revocation of the old CA, of a node long gone: it must keep counting after the rotation.
+        token = cluster.admin_token
+        revoked = await asyncio.to_thread(
+            cli, "certs", "revoke", "--ca", str(cluster.dir / "ca"), "--name", "gone", "--admin", a_admin, token=token
+        )
+        assert revoked.returncode == 0, revoked.stderr
+
         # 2. The CA rotated. First every node trusts the old CA and the new one.
         create_ca(tmp_path / "new-ca")
         assert subject_of(new_ca) != subject_of(old_ca)
@@ -226,6 +235,19 @@ async def test_a_certificate_is_renewed_and_the_ca_rotated_without_a_restart_or_
         await renew_pair(cluster, "c", "b")  # both ends present certificates of the new CA now
         # Every node's registry row is signed with its new certificate before the old CA goes.
         await wait_for(lambda: rows_signed_by(cluster, subject_of(new_ca)), 60, "rows signed by the new CA")
+        # The revocation signed again by the new CA, through one node; the same record everywhere, and once only.
+        resign = ["certs", "resign", "--ca", str(tmp_path / "new-ca"), "--admin", a_admin, "--json"]
+        done = await asyncio.to_thread(cli, *resign, token=token)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["signed_again"] == [gone_id(revoked.stdout)]
+        await wait_for(lambda: revocations_signed_by(cluster, subject_of(new_ca)), 60, "the revocation signed again")
+        again = await asyncio.to_thread(cli, *resign, token=token)
+        assert json.loads(again.stdout) == {
+            "ok": True,
+            "ca": subject_of(new_ca),
+            "signed_again": [],
+            "already": [gone_id(revoked.stdout)],
+        }
         # The old CA still counts: a certificate of it passes the handshake (and is refused by name, 403).
         assert await replication_answer(cluster, "a", cluster.dir / "bundle.pem", *probe_old) == 403
         # Last, the old CA leaves every bundle.
@@ -238,6 +260,7 @@ async def test_a_certificate_is_renewed_and_the_ca_rotated_without_a_restart_or_
         assert await replication_answer(cluster, "a", new_ca, *probe_new) == 403
         for name in names:
             assert await presented(cluster, name, new_ca) == {serial_of(cluster[name].dir / f"{name}.pem")}
+        assert await revocations_signed_by(cluster, subject_of(new_ca))  # it still counts on every node
         await renew_pair(cluster, "a", "b")
         await renew_pair(cluster, "b", "c")
 
@@ -285,6 +308,23 @@ async def respawned(cluster: LocalCluster, name: str, gone: int) -> bool:
     body = await status(cluster, name)
     workers = body["workers"]
     return all(w["ready"] and w["pid"] != gone for w in workers) and len(workers) == cluster.workers
+
+
+def gone_id(printed: str) -> str:
+    """The id of the revocation `certs revoke --name gone` printed (its JSON document comes first)."""
+    found = json.loads(printed.splitlines()[0])
+    return f"gone.all.{int(found['issued_before'])}"
+
+
+async def revocations_signed_by(cluster: LocalCluster, subject: str) -> bool:
+    """Every node holds the revocation of `gone`, signed by the CA of `subject` and by no other."""
+    for name in cluster.nodes:
+        code, listing = await cluster.admin(name, "/revocations")
+        assert code == 200, listing
+        gone = [item for item in listing if item["revocation"]["name"] == "gone"]
+        if len(gone) != 1 or (gone[0]["signed_by"] or {}).get("subject") != subject:
+            return False
+    return True
 
 
 async def rows_signed_by(cluster: LocalCluster, issuer: str) -> bool:

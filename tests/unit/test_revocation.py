@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from replicator.shared import revocation
-from replicator.shared.tls import PeerIdentity, create_ca
+from replicator.shared.tls import PeerIdentity, TlsConfigError, create_ca
 from replicator.shared.wire import Entry
 
 
@@ -58,3 +58,29 @@ def test_a_stored_revocation_can_be_neither_removed_nor_replaced(ca: Path) -> No
     moved = Entry(revocation.TABLE, "c.all.1", revocation.encode(signed), 8, "evil")
     assert "wrong id" in (revocation.refusal([moved], cert) or "")
     assert revocation.refusal([good], None) is not None
+
+
+def test_a_revocation_signed_again_by_a_new_ca_keeps_its_id_and_passes_where_only_the_new_ca_is_trusted(
+    ca: Path, tmp_path: Path
+) -> None:
+    """A CA rotation (`replicator certs resign`): signed again, a revocation is the same record, revokes the same
+    certificates, and a node trusting the new CA alone takes it, as it refuses the one the old CA signed."""
+    create_ca(tmp_path / "new")
+    old, new = revocation.load_ca_cert(ca / "ca.pem"), revocation.signing_ca(tmp_path / "new")
+    signed = revocation.sign(ca, "c", now=1000.25)
+    again = revocation.sign_again(signed, tmp_path / "new")
+    assert again.record_id == signed.record_id == "c.all.1000"
+    assert (again.name, again.serial, again.issued_before) == ("c", "", 1000.25)
+    assert revocation.signed_by(signed, [old, new]) == old and revocation.signed_by(again, [old, new]) == new
+    assert revocation.signed_by(signed, new) is None
+
+    def entry(found: revocation.Revocation) -> Entry:
+        return Entry(revocation.TABLE, found.record_id, revocation.encode(found), 5, "a")
+
+    assert "not signed" in (revocation.refusal([entry(signed)], new) or "")
+    assert revocation.refusal([entry(again)], new) is None
+    identity = PeerIdentity(name="c", serial="ab", not_before=0.0)
+    assert signed.revokes(identity) and again.revokes(identity)
+    with pytest.raises(TlsConfigError, match=r"ca\.key"):
+        (tmp_path / "new" / "ca.key").unlink()
+        revocation.signing_ca(tmp_path / "new")
