@@ -6,8 +6,9 @@ every worker. An Entry owns at most one re-drive timer (wedge or stall recovery)
 that cancels it, and every path that ends or moves a pair calls it: unsubscribe, node deletion, worker exit, a
 stale pair placed again, a pair moved by scaling, and URL migration.
 
-The setup schedule of a pair is deliberately not here: the URL migration path deletes and recreates entries, and a
-schedule kept on the entry would be wiped on a path that needs its dedup.
+The setup schedule of a pair is deliberately not here: it belongs to the pair whichever worker the pair is placed
+on and however often it moves (worker exit, scaling), and one owner, the setup scheduler, keeps its dedup on every
+path.
 """
 
 from __future__ import annotations
