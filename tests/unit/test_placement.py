@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from replicator.coordinator.admin import status_document
 from replicator.coordinator.node import Node
 from replicator.shared import messages
 from tests.unit.fakeloop import VirtualTimeLoop
@@ -69,6 +70,12 @@ def test_the_pairs_of_two_peers_spread_over_three_workers(loop: VirtualTimeLoop)
     sent = subscribes(supervisor)
     assert [(worker, (p, d)) for _, worker, p, d in sent] == [(placed[(p, d)], (p, d)) for _, _, p, d in sent]
     assert [t for t, *_ in sent] == [round(0.3 + STAGGER * i, 9) for i in range(12)]
+    # /status says where each pair is, and which workers carry each connection.
+    up(node)
+    for connection in status_document(node)["connections"]:
+        assert connection["workers"] == [0, 1, 2]
+        for pair in connection["databases"]:
+            assert pair["worker"] == pair["placed"] == placed[(connection["peer"], pair["database"])]
 
 
 def test_placement_is_deterministic(loop: VirtualTimeLoop) -> None:
@@ -169,6 +176,7 @@ def test_scaling_up_moves_pairs_onto_the_new_workers_until_the_load_is_even(loop
     assert Counter(after.values()) == {0: 3, 1: 3, 2: 3, 3: 3}
     moved = sorted(key for key in after if after[key] != before[key])
     assert len(moved) == 6 and all(after[key] in (2, 3) for key in moved)
+    assert Counter(before[key] for key in moved) == {0: 3, 1: 3}
     # Each moved pair is unsubscribed on the worker it left, and nothing else is.
     unsubscribed = sorted((slot, m.database) for _, slot, m in supervisor.of(messages.Unsubscribe))
     assert unsubscribed == sorted((before[key], key[1]) for key in moved)
