@@ -154,7 +154,8 @@ def build(code: Path, databases: int, peers: int, state: str) -> Any:
         entry = node.map.get(key)
         counters = []
         for database in held:
-            worker = entry.worker
+            # A tree that places each (peer, database) pair on a worker of its own has no entry-wide worker.
+            worker = entry.pairs[database].placed if hasattr(entry.pairs[database], "placed") else entry.worker
             node.on_worker_message(
                 worker,
                 messages.Connected(key=key, database=database, worker=worker, session=session, peer_head_seq=5000),
@@ -191,7 +192,7 @@ def build(code: Path, databases: int, peers: int, state: str) -> Any:
                 ("replicator_reconnect_attempts_total", 3.0),
             )
         ]
-        node.on_worker_message(entry.worker, messages.Heartbeat(worker=entry.worker, rss_bytes=0, counters=counters))
+        node.on_worker_message(worker, messages.Heartbeat(worker=worker, rss_bytes=0, counters=counters))
         node.metrics.setup_connected(view.name, 0.8)
     written = [count("replicator_records_written_total", 400.0, database=database) for database in held]
     batch = [0, 0, 3, 5] + [0] * (len(bounds) - 3)

@@ -591,7 +591,9 @@ def status_document(node: AdminView) -> dict[str, Any]:
                 {
                     "database": database,
                     "connected": pair.connected,
-                    "worker": pair.worker if pair.worker is not None else entry.worker,
+                    "worker": pair.worker if pair.worker is not None else pair.placed,
+                    # The worker the coordinator placed the pair on (its next setup goes there); -1: none yet.
+                    "placed": pair.placed,
                     "session": pair.session,
                     "setup_pending": node.scheduler.is_armed(entry.url, database),
                     "reconnect_attempts": pair.reconnect_attempts,
@@ -618,7 +620,9 @@ def status_document(node: AdminView) -> dict[str, Any]:
                     "antientropy": _round_status(node, entry.key, database),
                 }
             )
-        connections.append({"peer": entry.peer, "url": entry.url, "worker": entry.worker, "databases": databases})
+        # Each database is placed on a worker of its own: a peer's pairs may be spread over several workers.
+        placed_on = sorted({pair.placed for pair in entry.pairs.values() if pair.placed >= 0})
+        connections.append({"peer": entry.peer, "url": entry.url, "workers": placed_on, "databases": databases})
     coordinator = {"pid": os.getpid(), "pss_bytes": pss.coordinator or 0}
     # The other processes the coordinator started (the worker template; multiprocessing's resource tracker when
     # workers are spawned) are the node's too.

@@ -615,12 +615,11 @@ class Node:
         key = connection_key(view.url)
         entry = self.map.get(key)
         if entry is None:
-            entry = Entry(key=key, peer=view.name, url=view.url, worker=self.place())
+            entry = Entry(key=key, peer=view.name, url=view.url)
             self.map.put(entry)
-        elif not self.supervisor.is_live(entry.worker):
+        elif any(not self.supervisor.is_live(p.placed) for p in entry.pairs.values()):
             # The stale-worker path goes through the one sweep, so its dispatches keep the stagger spacing too.
             self.reconcile_stale()
-            entry = self.map.get(key) or entry
         entry.leader = view.leader
         if self.router.track(database, view.name):
             # A new direct link: the pairs set up before it stop carrying its origin.
@@ -628,7 +627,7 @@ class Node:
         payload = self._payload(view, key, database)
         pair = entry.pairs.get(database)
         if pair is None:
-            pair = PairState(database=database, payload=payload, created_at=now)
+            pair = PairState(database=database, payload=payload, created_at=now, placed=self.place())
             entry.pairs[database] = pair
             self.database_limit.pair_added(database)
             self.antientropy.track(key, view.name, database)
@@ -640,38 +639,33 @@ class Node:
             return
         if not changed and pair.connected and self.supervisor.is_live(pair.worker):
             return
-        if not changed and pair.dispatched_to == entry.worker and self.supervisor.is_live(entry.worker):
+        if not changed and pair.dispatched_to == pair.placed and self.supervisor.is_live(pair.placed):
             # Its worker is still setting up this very subscription (no report since): another one would only
             # take a slot of the ladder from a pair that needs it. A report of its session ends this.
             return
         if not self.scheduler.schedule(view.url, database, payload, sweep=self.ladder):
             self.scheduler.refresh_pending(view.url, database, payload)
 
-    def _replace_entry(self, entry: Entry) -> Entry:
-        """The stale-worker path: the entry is recreated on a live worker (its schedule lives on, elsewhere)."""
-        replacement = Entry(
-            key=entry.key,
-            peer=entry.peer,
-            url=entry.url,
-            worker=self.place(),
-            pairs=entry.pairs,
-            leader=entry.leader,
-        )
-        for pair in replacement.pairs.values():
-            if not self.supervisor.is_live(pair.worker):
-                pair.connected = False
-        self.map.put(replacement)
-        return replacement
+    def _place_again(self, entry: Entry, pair: PairState) -> int:
+        """The stale-worker path: a pair whose worker is dead or missing is placed on a live one (its schedule lives
+        on, in the scheduler). The entry's re-drive timer was aimed at the old placement, so it goes."""
+        entry.disarm()
+        pair.placed = self.place()
+        if not self.supervisor.is_live(pair.worker):
+            pair.connected = False
+        return pair.placed
 
     def place(self) -> int:
-        """A live worker for a new entry: the least loaded, round-robin among equals; -1 when none is live."""
+        """A live worker for a new or moved (peer, database) pair; -1 when none is live.
+
+        The worker with the fewest pairs placed on it, so the databases of even a single peer spread over every
+        worker, and the pairs of an exited worker spread over the others one by one. Among equals, a round-robin
+        counter picks: deterministic for a given sequence of placements, and it does not pile every tie on the
+        lowest slot."""
         live = self.supervisor.live()
         if not live:
             return -1
-        load = {slot: 0 for slot in live}
-        for entry in self.map:
-            if entry.worker in load:
-                load[entry.worker] += 1
+        load = self.map.load(live)
         self._placements += 1
         fewest = min(load.values())
         candidates = [slot for slot in live if load[slot] == fewest]
@@ -687,7 +681,7 @@ class Node:
             return
         if self.database_limit.pair_removed(database) and self.database_limit.waiting:
             self.poke_registry()  # room for a database the limit kept off this node
-        for worker in {entry.worker, pair.worker}:
+        for worker in {pair.placed, pair.worker}:
             if worker is not None and worker >= 0:
                 self.supervisor.send(worker, messages.Unsubscribe(key=entry.key, database=database))
         if not entry.pairs:
@@ -702,7 +696,7 @@ class Node:
         pair = entry.pairs.get(database) if entry is not None else None
         if entry is None or pair is None:
             return False
-        for worker in {entry.worker, pair.worker}:
+        for worker in {pair.placed, pair.worker}:
             if worker is not None and worker >= 0:
                 self.supervisor.send(worker, messages.Unsubscribe(key=entry.key, database=database))
         now = self.loop.time()
@@ -885,21 +879,20 @@ class Node:
         if entry is None or pair is None:
             log.info("subscription_setup_stale", peer=payload.peer, database=database)
             return
-        if not self.supervisor.is_live(entry.worker):
-            entry = self._replace_entry(entry)
-            if entry.worker < 0:
-                log.warning("subscription_setup_no_worker", peer=entry.peer, database=database)
-                return
+        if not self.supervisor.is_live(pair.placed) and self._place_again(entry, pair) < 0:
+            log.warning("subscription_setup_no_worker", peer=entry.peer, database=database)
+            return
+        worker = pair.placed
         self._dispatches += 1
         pair.dispatched_at = self.loop.time()
         message = msgspec.structs.replace(pair.payload, dispatch=self._dispatches)
-        if not self.supervisor.send(entry.worker, message):
-            log.warning("subscription_setup_undelivered", peer=entry.peer, database=database, worker=entry.worker)
+        if not self.supervisor.send(worker, message):
+            log.warning("subscription_setup_undelivered", peer=entry.peer, database=database, worker=worker)
             return
-        pair.dispatched_to = entry.worker
+        pair.dispatched_to = worker
         if not pair.connected:
             pair.setup_started = pair.dispatched_at
-        log.info("subscription_setup_dispatched", peer=entry.peer, database=database, worker=entry.worker)
+        log.info("subscription_setup_dispatched", peer=entry.peer, database=database, worker=worker)
 
     # -- worker reports -------------------------------------------------------------------------------------------
 
@@ -1100,12 +1093,14 @@ class Node:
         self.confirmations.worker_gone(handle.slot)
         self.blob_repairs.on_worker_exit(handle.slot)
         for entry in self.map:
-            if entry.worker == handle.slot:
-                # The sessions died with the process; a respawn in the same slot starts empty, so the entry is
-                # unplaced until the stale sweep sets it up again (on a live worker, or on the respawned one).
+            if entry.on_worker(handle.slot):
+                # A re-drive timer of the entry may be aimed at a pair that was there: it goes.
                 entry.disarm()
-                entry.worker = -1
             for pair in entry.pairs.values():
+                if pair.placed == handle.slot:
+                    # The sessions died with the process; a respawn in the same slot starts empty, so the pair is
+                    # unplaced until the stale sweep sets it up again (on a live worker, or on the respawned one).
+                    pair.placed = -1
                 if pair.accepted_by == handle.slot:
                     pair.accepted_by = None
                 if pair.dispatched_to == handle.slot:
@@ -1162,17 +1157,21 @@ class Node:
         log.flush()
 
     def reconcile_stale(self) -> None:
-        """Move every entry whose worker is dead or missing to live workers, on the ladder (stagger spacing)."""
-        stale = [entry for entry in self.map if not self.supervisor.is_live(entry.worker)]
-        if not stale or not self.supervisor.live():
+        """Place every pair whose worker is dead or missing on a live worker, on the ladder (stagger spacing).
+
+        Only those pairs move, each to the least loaded live worker at its turn (`place`), so the pairs of an
+        exited worker spread over the others instead of all landing on one."""
+        if not self.supervisor.live():
             return
-        for entry in stale:
-            replacement = self._replace_entry(entry)
-            for database, pair in replacement.pairs.items():
+        for entry in self.map:
+            for database, pair in entry.pairs.items():
+                if self.supervisor.is_live(pair.placed):
+                    continue
+                worker = self._place_again(entry, pair)
                 self.reassignments += 1
-                log.info("stale_reassigned", peer=entry.peer, database=database, worker=replacement.worker)
-                if not self.scheduler.schedule(replacement.url, database, pair.payload, sweep=self.ladder):
-                    self.scheduler.refresh_pending(replacement.url, database, pair.payload)
+                log.info("stale_reassigned", peer=entry.peer, database=database, worker=worker)
+                if not self.scheduler.schedule(entry.url, database, pair.payload, sweep=self.ladder):
+                    self.scheduler.refresh_pending(entry.url, database, pair.payload)
 
     def _redrive_base(self) -> float:
         # One draw per sweep as the common base, then the ladder: independent draws would break the spacing.
@@ -1182,7 +1181,7 @@ class Node:
         threshold = self.config.replication.wedge_threshold
         wedged: list[Entry] = []
         for entry in self.map:
-            if entry.redrive is not None or not self.supervisor.is_live(entry.worker):
+            if entry.redrive is not None:
                 continue
             if self._wedged_pairs(entry, now, threshold):
                 wedged.append(entry)
@@ -1202,6 +1201,8 @@ class Node:
         for database, pair in entry.pairs.items():
             if pair.connected or self.scheduler.is_armed(entry.url, database):
                 continue
+            if not self.supervisor.is_live(pair.placed):
+                continue  # the stale sweep's, not wedged
             since = pair.disconnected_at
             if since is None:
                 since = max(pair.created_at, pair.dispatched_at or 0.0)
@@ -1214,7 +1215,7 @@ class Node:
     def _fire_wedge(self, entry: Entry) -> None:
         entry.redrive = None
         entry.redrive_kind = ""
-        if self.map.get(entry.key) is not entry or not self.supervisor.is_live(entry.worker):
+        if self.map.get(entry.key) is not entry:
             return
         now = self.loop.time()
         threshold = self.config.replication.wedge_threshold
@@ -1225,9 +1226,9 @@ class Node:
         database, pair = wedged[0]
         self.redrives["wedge"] += 1
         pair.disconnected_at = now  # the next re-drive waits another threshold
-        if pair.accepted_by == entry.worker:
+        if pair.accepted_by == pair.placed:
             self.supervisor.send(
-                entry.worker,
+                pair.placed,
                 messages.ForceReconnect(key=entry.key, database=database, reason="wedged: re-driven"),
             )
         elif not self.scheduler.schedule(entry.url, database, pair.payload, sweep=self.ladder):

@@ -1,11 +1,14 @@
 """The connection-replication map: connection key -> Entry, one per peer connection the node wants.
 
-An Entry is placed on one worker and holds the state of each of its databases (a PairState). It owns at most one
-re-drive timer (wedge or stall recovery); `disarm()` is the single place that cancels it, and every path that ends an
-entry's role calls it: unsubscribe, node deletion, worker exit, entry replacement and URL migration.
+An Entry holds the state of each of the peer's databases (a PairState), and each pair is placed on a worker of its
+own (`PairState.placed`): the databases of one peer spread over the workers, so a node with few peers still uses
+every worker. An Entry owns at most one re-drive timer (wedge or stall recovery); `disarm()` is the single place
+that cancels it, and every path that ends or moves a pair calls it: unsubscribe, node deletion, worker exit, a
+stale pair placed again, a pair moved by scaling, and URL migration.
 
-The setup schedule of a pair is deliberately not here: the stale-worker path deletes and recreates entries, and a
-schedule kept on the entry would be wiped on exactly the path that most needs its dedup.
+The setup schedule of a pair is deliberately not here: it belongs to the pair whichever worker the pair is placed
+on and however often it moves (worker exit, scaling), and one owner, the setup scheduler, keeps its dedup on every
+path.
 """
 
 from __future__ import annotations
@@ -73,6 +76,10 @@ class PairState:
     stall: StallWatch | None = None
     # Set when a stall kick fired; no new kick until apply progress or another stall threshold.
     stall_kicked_at: float | None = None
+    # The worker the pair is placed on: its setups and forced reconnects go there. -1 while it has none (no worker
+    # was live, or its worker exited); the stale sweep places it again. Unlike `worker`, this is the coordinator's
+    # choice, not what a session reported.
+    placed: int = -1
 
     @property
     def behind(self) -> bool:
@@ -132,7 +139,6 @@ class Entry:
     key: str
     peer: str
     url: str
-    worker: int
     pairs: dict[str, PairState] = field(default_factory=dict)
     leader: bool = False
     redrive: Any = None  # the owned timer handle (loop.call_later), or None
@@ -148,6 +154,10 @@ class Entry:
             self.redrive.cancel()
             self.redrive = None
             self.redrive_kind = ""
+
+    def on_worker(self, slot: int) -> list[str]:
+        """The databases of this entry placed on `slot`."""
+        return [database for database, pair in self.pairs.items() if pair.placed == slot]
 
 
 class ReplicationMap:
@@ -187,6 +197,15 @@ class ReplicationMap:
     def pair(self, key: str, database: str) -> PairState | None:
         entry = self._entries.get(key)
         return entry.pairs.get(database) if entry is not None else None
+
+    def load(self, slots: list[int]) -> dict[int, int]:
+        """How many pairs are placed on each of `slots` (the measure placement evens out)."""
+        load = dict.fromkeys(slots, 0)
+        for entry in self._entries.values():
+            for pair in entry.pairs.values():
+                if pair.placed in load:
+                    load[pair.placed] += 1
+        return load
 
 
 def should_fire_stall_kick(pair: PairState | None, watch: StallWatch) -> bool:

@@ -1,16 +1,18 @@
 """Changing the worker count of a running node (SIGHUP with a new `node.workers`, or `Node.scale`).
 
-Scaling up spawns the new workers, waits for them to be ready, then moves a fair share of entries onto them.
-Scaling down first moves the retiring workers' entries onto the others, then stops those workers. Every move takes
-a slot on the node's ladder, the sweep every setup path shares, so the dispatches keep the stagger spacing that bounds
-concurrent TLS setups; entries that stay where they are keep their sessions.
+The unit that moves is one (peer, database) pair: each is placed on a worker of its own. Scaling up spawns the new
+workers, waits for them to be ready, then moves pairs from the workers above their fair share onto them. Scaling
+down first moves the retiring workers' pairs, one by one, to the least loaded remaining worker, then stops those
+workers. Every move takes a slot on the node's ladder, the sweep every setup path shares, so the dispatches keep the
+stagger spacing that bounds concurrent TLS setups; pairs that stay where they are keep their sessions.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 
-from replicator.coordinator.replication_map import Entry
+from replicator.coordinator.replication_map import Entry, PairState
 from replicator.coordinator.supervisor import wait_until
 from replicator.coordinator.view import ScalingView
 from replicator.shared import messages
@@ -52,21 +54,40 @@ async def _scale_up(node: ScalingView, active: list[int], count: int) -> None:
     ready_new = [s for s in new_slots if supervisor.is_live(s) and supervisor.workers[s].ready]
     if not ready_new:
         return
-    entries = list(node.map)
-    target = math.ceil(len(entries) / (len(active) + len(ready_new)))
-    by_worker: dict[int, list[Entry]] = {}
-    for entry in entries:
-        by_worker.setdefault(entry.worker, []).append(entry)
-    movable = []
-    for slot in active:
-        movable.extend(by_worker.get(slot, [])[target:])
-    for index, entry in enumerate(movable):
-        destination = ready_new[index % len(ready_new)]
-        if len(by_worker.setdefault(destination, [])) >= target:
-            continue
-        by_worker[destination].append(entry)
-        move_entry(node, entry, destination)
-    log.info("workers_scaled", workers=len(supervisor.live()), moved=len(movable))
+    moved = _even_out(node, active, ready_new)
+    log.info("workers_scaled", workers=len(supervisor.live()), moved=moved)
+
+
+def _even_out(node: ScalingView, active: list[int], new: list[int]) -> int:
+    """Move pairs from the busy workers onto the new ones until no worker carries more than its fair share.
+
+    The share is the pair count over all workers, rounded up. Each worker above it gives up its pairs beyond the
+    share (its last placed, in map order), and each one goes to the least loaded new worker, lowest slot among
+    equals, never past the share: a deterministic spread, and a pair that need not move keeps its session."""
+    pairs = [(entry, database, pair) for entry in node.map for database, pair in entry.pairs.items()]
+    share = math.ceil(len(pairs) / (len(active) + len(new)))
+    held: dict[int, list[tuple[Entry, str, PairState]]] = {slot: [] for slot in active}
+    for item in pairs:
+        if item[2].placed in held:
+            held[item[2].placed].append(item)
+    load = dict.fromkeys(new, 0)
+    for item in pairs:
+        if item[2].placed in load:
+            load[item[2].placed] += 1
+    moved = 0
+    # Round by round, one pair from each busy worker, so the ladder alternates between sources.
+    surplus = [held[slot][share:] for slot in active]
+    for round_ in itertools.zip_longest(*surplus):
+        for item in round_:
+            if item is None:
+                continue
+            destination = min(new, key=lambda slot: (load[slot], slot))
+            if load[destination] >= share:
+                return moved
+            load[destination] += 1
+            move_pair(node, *item, destination)
+            moved += 1
+    return moved
 
 
 def _scale_down(node: ScalingView, active: list[int], count: int) -> None:
@@ -76,29 +97,30 @@ def _scale_down(node: ScalingView, active: list[int], count: int) -> None:
         supervisor.workers[slot].retiring = True
     moved = 0
     for entry in list(node.map):
-        if entry.worker in retiring:
-            move_entry(node, entry, node.place())
-            moved += 1
+        for database, pair in list(entry.pairs.items()):
+            if pair.placed in retiring:
+                # One by one to the least loaded remaining worker: the retiring workers' pairs spread out.
+                move_pair(node, entry, database, pair, node.place())
+                moved += 1
     deadline = node.config.replication.shutdown_timeout
     for slot in retiring:
         supervisor.retire(slot, deadline)
     log.info("workers_scaled", workers=count, moved=moved, retired=retiring)
 
 
-def move_entry(node: ScalingView, entry: Entry, worker: int) -> None:
-    """Move an entry's pairs to another worker: unsubscribe on the old one, set up on the new one on the ladder."""
-    old = entry.worker
-    for database in entry.pairs:
+def move_pair(node: ScalingView, entry: Entry, database: str, pair: PairState, worker: int) -> None:
+    """Move one pair to another worker: unsubscribe on the old one, set up on the new one on the ladder.
+
+    The entry's re-drive timer may be aimed at the old placement, so it goes; the next reconcile pass arms a new
+    one if a pair is still wedged."""
+    old = pair.placed
+    if old >= 0:
         node.supervisor.send(old, messages.Unsubscribe(key=entry.key, database=database))
-    replacement = Entry(
-        key=entry.key, peer=entry.peer, url=entry.url, worker=worker, pairs=entry.pairs, leader=entry.leader
-    )
-    for pair in replacement.pairs.values():
-        pair.connected = False
-        pair.disconnected_at = node.loop.time()
-    node.map.put(replacement)
-    for database, pair in replacement.pairs.items():
-        node.reassignments += 1
-        log.info("pair_moved", peer=entry.peer, database=database, worker=worker, from_worker=old)
-        if not node.scheduler.schedule(entry.url, database, pair.payload, sweep=node.ladder):
-            node.scheduler.refresh_pending(entry.url, database, pair.payload)
+    entry.disarm()
+    pair.placed = worker
+    pair.connected = False
+    pair.disconnected_at = node.loop.time()
+    node.reassignments += 1
+    log.info("pair_moved", peer=entry.peer, database=database, worker=worker, from_worker=old)
+    if not node.scheduler.schedule(entry.url, database, pair.payload, sweep=node.ladder):
+        node.scheduler.refresh_pending(entry.url, database, pair.payload)

@@ -6,11 +6,12 @@ hiccup into an OOM (seed issue #327). Here an event either arms the pair's one s
 pair's own backoff, or replaces the payload of the setup already armed, so the dispatch rate is bounded by the
 schedule however fast the events come.
 
-The schedules live in this object's own map, not on the replication map's entry: the stale-worker path deletes and
-recreates entries, and state kept there would be wiped on exactly the path that most needs the dedup. The price is
-a second lifecycle: the owner cancels a pair on unsubscribe, node deletion and URL migration. A connect report
-resets the pair's schedule and cancels nothing, because a report cannot be attributed to the setup that caused it
-(a failover peer is subscribed on a worker that is not the entry's) and a setup re-checks live state when it runs.
+The schedules live in this object's own map, not on the replication map's entry: a pair moves between workers
+(a worker's exit, scaling) and its schedule must go on through exactly the paths that most need the dedup, so it
+is kept apart from placement. The price is a second lifecycle: the owner cancels a pair on unsubscribe, node
+deletion and URL migration. A connect report resets the pair's schedule and cancels nothing, because a report
+cannot be attributed to the setup that caused it (a session may report from a worker the pair has since moved off)
+and a setup re-checks live state when it runs.
 
 Sweeps keep the dispatches of one burst (a worker exit, a reconcile pass) at least `stagger` apart, which bounds
 concurrent TLS handshakes (seed issue #446). A fixed ladder added on top of independent jittered draws does not

@@ -158,7 +158,7 @@ class AdminView(MetricsView, Protocol):
 
 
 class ScalingView(Protocol):
-    """What a change of the worker count reads, and the entries and counter it moves."""
+    """What a change of the worker count reads, and the pairs and counter it moves."""
 
     reassignments: int
 

@@ -265,7 +265,7 @@ async def test_sighup_scales_workers_up_and_down_without_losing_a_pair(make_clus
             len(live) == workers
             and len(body["workers"]) == workers
             and len(pairs) >= 6
-            and all(d["connected"] and d["worker"] in live and c["worker"] in live for c, d in pairs)
+            and all(d["connected"] and d["worker"] in live and set(c["workers"]) <= live for c, d in pairs)
         )
 
     writers: list[asyncio.Task] = []
@@ -285,9 +285,10 @@ async def test_sighup_scales_workers_up_and_down_without_losing_a_pair(make_clus
 
                 async def spread() -> bool:
                     body = await _status(cluster, "a")
-                    return len({c["worker"] for c in body["connections"]}) == 3 and await pairs_ok(4)
+                    placed = {d["worker"] for c in body["connections"] for d in c["databases"]}
+                    return placed == {0, 1, 2, 3} and await pairs_ok(4)
 
-                await wait_for(spread, 30, "the entries spread over the new workers")
+                await wait_for(spread, 30, "the pairs spread over the new workers")
         stop.set()
         await asyncio.gather(*writers)
         await cluster.wait_converged("scale", timeout=60, expect_count=len(acked))

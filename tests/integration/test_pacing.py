@@ -66,31 +66,34 @@ async def test_a_killed_workers_pairs_reconnect_on_the_stagger_ladder(make_clust
     cluster.start()
     try:
         await cluster.wait_ready()
-        databases = [f"db{i}" for i in range(1, 6)]
+        # Twelve pairs with b (system and eleven databases), placed six on each of a's two workers.
+        databases = [f"db{i}" for i in range(1, 12)]
         for database in databases:
             assert (await cluster.data("b", "PUT", f"/data/{database}/t/before", {"ok": True}))[0] == 200
 
-        async def six_pairs_up() -> dict | None:
+        async def pairs_up() -> dict | None:
             _, body = await cluster.admin("a", "/status")
             for connection in body["connections"]:
                 if connection["peer"] == "b":
                     pairs = connection["databases"]
-                    if len(pairs) == 6 and all(p["connected"] for p in pairs):
+                    if len(pairs) == 12 and all(p["connected"] for p in pairs):
                         return connection
             return None
 
-        connection = await wait_for(six_pairs_up, 60, "a's six pairs with b")
-        victim = connection["worker"]
+        connection = await wait_for(pairs_up, 60, "a's twelve pairs with b")
+        victim = connection["databases"][0]["worker"]
+        on_victim = sorted(p["database"] for p in connection["databases"] if p["worker"] == victim)
+        assert len(on_victim) == 6, connection
         _, body = await cluster.admin("a", "/status")
         pid = next(w["pid"] for w in body["workers"] if w["id"] == victim)
         killed_at = time.time()
         psutil.Process(pid).send_signal(signal.SIGKILL)
 
         async def all_back() -> bool:
-            found = await six_pairs_up()
-            return found is not None and found["worker"] != victim
+            found = await pairs_up()
+            return found is not None and all(p["worker"] != victim for p in found["databases"])
 
-        await wait_for(all_back, 60, "the six pairs connected on a live worker")
+        await wait_for(all_back, 60, "the victim's six pairs connected on the live worker")
         dispatched = sorted(
             e["ts"]
             for e in cluster["a"].events("subscription_setup_dispatched")
@@ -102,6 +105,7 @@ async def test_a_killed_workers_pairs_reconnect_on_the_stagger_ladder(make_clust
         assert min(gaps) >= 0.75 * stagger, gaps
         reassigned = [e for e in cluster["a"].events("stale_reassigned") if e["ts"] > killed_at]
         assert len(reassigned) == 6 and all(e["worker"] != victim for e in reassigned)
+        assert sorted(e["database"] for e in reassigned) == on_victim  # only the dead worker's pairs moved
 
         for database in databases:
             assert (await cluster.data("b", "PUT", f"/data/{database}/t/after", {"ok": True}))[0] == 200

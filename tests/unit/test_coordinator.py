@@ -160,16 +160,18 @@ def test_node_updates_set_up_nothing_more_while_the_worker_sets_the_pair_up(loop
     # db's dial failed: the next update sets it up again, on its schedule; system, still dialling, is left alone.
     entry = node.map.by_peer("b")
     assert entry is not None
-    failed = messages.Disconnected(key=entry.key, database="db", worker=entry.worker, session=1, error="refused")
-    node.on_worker_message(entry.worker, failed)
+    db_worker = entry.pairs["db"].placed
+    failed = messages.Disconnected(key=entry.key, database="db", worker=db_worker, session=1, error="refused")
+    node.on_worker_message(db_worker, failed)
     add(node, peer("b", 2000, version=60))
     assert node.scheduler.is_armed(entry.url, "db") and not node.scheduler.is_armed(entry.url, "system")
     # A changed subscription is set up whatever the worker is doing.
     add(node, peer("b", 2000, leader=True, version=61))
     assert node.scheduler.is_armed(entry.url, "system")
     # A worker that exits takes its setups with it: the stale sweep sets them up again on a live worker.
-    supervisor.workers[entry.worker].alive = False
-    node.on_worker_exit(supervisor.workers[entry.worker])  # type: ignore[arg-type]
+    for slot in {pair.placed for pair in entry.pairs.values()}:
+        supervisor.workers[slot].alive = False
+        node.on_worker_exit(supervisor.workers[slot])  # type: ignore[arg-type]
     assert all(pair.dispatched_to is None for pair in entry.pairs.values())
 
 
@@ -197,7 +199,7 @@ def _wedged(loop: VirtualTimeLoop) -> tuple[Node, FakeSupervisor, NodeView]:
     assert entry is not None
     for database in ("system", "db"):
         accepted = messages.SubscribeAccepted(key=entry.key, database=database, dispatch=1)
-        node.on_worker_message(entry.worker, accepted)
+        node.on_worker_message(entry.pairs[database].placed, accepted)
     loop.advance_to(WEDGE + 1.0)
     node.reconcile()
     entry = node.map.by_peer("b")
@@ -233,10 +235,11 @@ def test_the_redrive_timer_is_disarmed(loop: VirtualTimeLoop, point: str) -> Non
         del node.views["b"]
         node.on_node_removed("b")
     elif point == "worker_exit":
-        supervisor.workers[entry.worker].alive = False
-        node.on_worker_exit(supervisor.workers[entry.worker])  # type: ignore[arg-type]
-    elif point == "entry_replacement":
-        supervisor.workers[entry.worker].alive = False
+        slot = entry.pairs["db"].placed
+        supervisor.workers[slot].alive = False
+        node.on_worker_exit(supervisor.workers[slot])  # type: ignore[arg-type]
+    elif point == "entry_replacement":  # a pair of the entry found on a dead worker is placed again
+        supervisor.workers[entry.pairs["db"].placed].alive = False
         node.on_database(node.views["b"], "db")
     elif point == "url_migration":
         add(node, peer("b", 2001, version=2))
@@ -376,19 +379,20 @@ def test_a_dead_workers_pairs_move_in_one_sweep_spaced_by_the_stagger(loop: Virt
         for database in ("system", "db"):
             entry = node.map.by_peer(view.name)
             assert entry is not None
-            connect(node, view, database, worker=entry.worker, session=1)
-    victim = node.map.by_peer("p0").worker  # type: ignore[union-attr]
-    moved = [v for v in views if node.map.by_peer(v.name).worker == victim]  # type: ignore[union-attr]
+            connect(node, view, database, worker=entry.pairs[database].placed, session=1)
+    victim = node.map.by_peer("p0").pairs["system"].placed  # type: ignore[union-attr]
+    moved = [(e.peer, d) for e in node.map for d in e.on_worker(victim)]
     assert len(moved) >= 2
     supervisor.sent.clear()
     supervisor.workers[victim].alive = False
     node.on_worker_exit(supervisor.workers[victim])  # type: ignore[arg-type]
     loop.advance(9.0)  # within failover_after: no route changes join the sweep
     times = sorted(t for t, slot, m in supervisor.of(messages.Subscribe))
-    assert len(times) == 2 * len(moved)
+    assert len(times) == len(moved)
+    assert sorted((m.peer, m.database) for _, _, m in supervisor.of(messages.Subscribe)) == sorted(moved)
     assert all(b - a >= STAGGER - 1e-9 for a, b in itertools.pairwise(times))
     assert all(slot != victim for _, slot, _ in supervisor.of(messages.Subscribe))
-    assert node.reassignments == 2 * len(moved)
+    assert node.reassignments == len(moved)
 
 
 # -- every path keeps the stagger (invariant 2) ---------------------------------------------------------------------
@@ -397,9 +401,9 @@ def test_a_dead_workers_pairs_move_in_one_sweep_spaced_by_the_stagger(loop: Virt
 def _accept_all(node: Node, view: NodeView) -> None:
     entry = node.map.by_peer(view.name)
     assert entry is not None
-    for database in entry.pairs:
+    for database, pair in entry.pairs.items():
         accepted = messages.SubscribeAccepted(key=entry.key, database=database, dispatch=1)
-        node.on_worker_message(entry.worker, accepted)
+        node.on_worker_message(pair.placed, accepted)
 
 
 def _sends(supervisor: FakeSupervisor, since: float = 0.0) -> list[tuple[float, str, str, str]]:
@@ -636,17 +640,21 @@ def test_a_node_whose_certificate_is_revoked_writes_no_row_until_it_has_a_new_on
 
 
 def test_a_registry_update_during_a_stale_sweep_keeps_the_spacing(loop: VirtualTimeLoop) -> None:
-    node, supervisor = make_node(loop)
+    node, supervisor = make_node(loop, slots=3)
     b = peer("b", 2000)
     add(node, b)
     loop.advance(1.0)
     entry = node.map.by_peer("b")
     assert entry is not None
-    for database in ("system", "db"):
-        connect(node, b, database, worker=entry.worker, session=1)  # resets the pairs' delays to the first, 0.3 s
+    for database in ("system", "db"):  # resets the pairs' delays to the first, 0.3 s
+        connect(node, b, database, worker=entry.pairs[database].placed, session=1)
     loop.advance_to(10.0)
-    supervisor.workers[entry.worker].alive = False
-    node.on_worker_exit(supervisor.workers[entry.worker])  # type: ignore[arg-type]
+    # b's two pairs are on two workers, which exit one after the other: both pairs move on the one ladder.
+    victims = [entry.pairs["system"].placed, entry.pairs["db"].placed]
+    assert len(set(victims)) == 2
+    for slot in victims:
+        supervisor.workers[slot].alive = False
+        node.on_worker_exit(supervisor.workers[slot])  # type: ignore[arg-type]
     loop.advance_to(10.02)
     # 20 ms into the stale sweep, a registry update adds c: its own delays put it at 10.32, 20 ms from b's
     # system setup; the shared ladder moves it to the first free slots after the sweep's.
@@ -663,20 +671,23 @@ def test_a_registry_update_during_a_stale_sweep_keeps_the_spacing(loop: VirtualT
 
 
 def test_wedge_redrives_registry_setups_and_a_stale_sweep_share_one_ladder(loop: VirtualTimeLoop) -> None:
-    node, supervisor = make_node(loop)
+    node, supervisor = make_node(loop, slots=4)  # one pair a worker: c's two workers can die, b's stay
     b, c, e = peer("b", 2000), peer("c", 3000), peer("e", 5000)
     add(node, b)
     add(node, c)
     loop.advance(2.0)
     _accept_all(node, b)  # b's pairs are accepted and never connect: they wedge and are forced to reconnect
-    victim = node.map.by_peer("c").worker  # type: ignore[union-attr]
-    assert node.map.by_peer("b").worker != victim  # type: ignore[union-attr]
-    for database in ("system", "db"):  # c is up on its worker, which then dies: the stale sweep moves it
-        connect(node, c, database, worker=victim, session=1)
+    c_entry, b_entry = node.map.by_peer("c"), node.map.by_peer("b")
+    assert c_entry is not None and b_entry is not None
+    victims = {pair.placed for pair in c_entry.pairs.values()}
+    assert not victims & {pair.placed for pair in b_entry.pairs.values()}
+    for database in ("system", "db"):  # c is up on its workers, which then die: the stale sweep moves it
+        connect(node, c, database, worker=c_entry.pairs[database].placed, session=1)
     loop.advance_to(WEDGE + 1.0)
     node.reconcile()  # b is wedged: its first re-drive takes the slot at 31.3
-    supervisor.workers[victim].alive = False
-    node.on_worker_exit(supervisor.workers[victim])  # type: ignore[arg-type]
+    for slot in (c_entry.pairs["system"].placed, c_entry.pairs["db"].placed):
+        supervisor.workers[slot].alive = False
+        node.on_worker_exit(supervisor.workers[slot])  # type: ignore[arg-type]
     add(node, e)  # and a new peer from the registry, at the same instant
     loop.advance(5.0)
     sends = _sends(supervisor, since=WEDGE)
@@ -768,9 +779,8 @@ def test_a_pair_backing_off_on_its_own_schedule_is_not_wedged(loop: VirtualTimeL
     entry = node.map.by_peer("b")
     assert entry is not None
     for database in ("system", "db"):
-        node.on_worker_message(
-            entry.worker, messages.Connected(key=entry.key, database=database, worker=entry.worker, session=1)
-        )
+        slot = entry.pairs[database].placed
+        node.on_worker_message(slot, messages.Connected(key=entry.key, database=database, worker=slot, session=1))
     loop.advance_to(10.0)
     # The peer goes away; the sessions back off, reporting each failed attempt and the next dial (up to 30 s).
     when, session, delay = 10.0, 1, 1.0
@@ -779,13 +789,13 @@ def test_a_pair_backing_off_on_its_own_schedule_is_not_wedged(loop: VirtualTimeL
             report = messages.Disconnected(
                 key=entry.key,
                 database=database,
-                worker=entry.worker,
+                worker=entry.pairs[database].placed,
                 session=session,
                 error="connection refused",
                 reconnect_in=delay,
                 attempts=session,
             )
-            node.on_worker_message(entry.worker, report)
+            node.on_worker_message(entry.pairs[database].placed, report)
         when, session, delay = when + delay, session + 1, min(30.0, delay * 2)
         loop.advance_to(when)
         node.reconcile()
@@ -889,7 +899,7 @@ def test_a_storm_of_new_links_renews_each_pair_once_and_logs_what_changed(
         entry = node.map.by_peer(view.name)
         assert entry is not None
         for database in ("system", "db"):
-            connect(node, view, database, worker=entry.worker, session=1)
+            connect(node, view, database, worker=entry.pairs[database].placed, session=1)
     capsys.readouterr()
     ghosts = [
         NodeView(name=f"g{i:03d}", url=f"wss://127.0.0.1:{10000 + i}", holds=(), static=True, version=1)

@@ -260,14 +260,16 @@ def test_the_node_resubscribes_the_other_pairs_when_an_origin_fails_over_and_bac
         entry = node.map.by_peer(view.name)
         assert entry is not None
         for database in ("system", "db"):
-            connect(node, view, database, worker=entry.worker, session=1)
-            node.on_worker_message(entry.worker, _progress(view.url, database, entry.worker, 1, True))
+            slot = entry.pairs[database].placed
+            connect(node, view, database, worker=slot, session=1)
+            node.on_worker_message(slot, _progress(view.url, database, slot, 1, True))
     supervisor.sent.clear()
     c_entry = node.map.by_peer("c")
     assert c_entry is not None
+    c_worker = c_entry.pairs["db"].placed
     node.on_worker_message(
-        c_entry.worker,
-        messages.Disconnected(key=c_entry.key, database="db", worker=c_entry.worker, session=1, reconnect_in=1.0),
+        c_worker,
+        messages.Disconnected(key=c_entry.key, database="db", worker=c_worker, session=1, reconnect_in=1.0),
     )
     loop.advance(FAILOVER + 2.0)
     subs = [(t, m) for t, _, m in supervisor.of(messages.Subscribe)]
@@ -278,12 +280,12 @@ def test_the_node_resubscribes_the_other_pairs_when_an_origin_fails_over_and_bac
     assert node.router.failed_over() == {"db": ["c"]}
 
     supervisor.sent.clear()
-    connect(node, views["c"], "db", worker=c_entry.worker, session=2)
-    node.on_worker_message(c_entry.worker, _progress(views["c"].url, "db", c_entry.worker, 2, False))
+    connect(node, views["c"], "db", worker=c_worker, session=2)
+    node.on_worker_message(c_worker, _progress(views["c"].url, "db", c_worker, 2, False))
     loop.advance(5.0)
     assert supervisor.of(messages.Subscribe) == []  # up but not caught up: the route stays
     caught_up_at = loop.time()
-    node.on_worker_message(c_entry.worker, _progress(views["c"].url, "db", c_entry.worker, 2, True))
+    node.on_worker_message(c_worker, _progress(views["c"].url, "db", c_worker, 2, True))
     loop.advance_to(caught_up_at + FAILOVER - 0.001)
     assert supervisor.of(messages.Subscribe) == []  # caught up, not yet stable for failover_after
     loop.advance(5.0)
