@@ -617,7 +617,7 @@ class Node:
         if entry is None:
             entry = Entry(key=key, peer=view.name, url=view.url)
             self.map.put(entry)
-        elif any(not self.supervisor.is_live(p.placed) for p in entry.pairs.values()):
+        elif database in entry.pairs and not self.supervisor.is_live(entry.pairs[database].placed):
             # The stale-worker path goes through the one sweep, so its dispatches keep the stagger spacing too.
             self.reconcile_stale()
         entry.leader = view.leader
@@ -669,11 +669,14 @@ class Node:
         self._placements += 1
         fewest = min(load.values())
         candidates = [slot for slot in live if load[slot] == fewest]
-        return candidates[self._placements % len(candidates)]
+        chosen = candidates[self._placements % len(candidates)]
+        self.map.placed_on(chosen)
+        return chosen
 
     def _drop_pair(self, entry: Entry, database: str) -> None:
         # The pair's state goes with it, so wanting the pair again starts every stamp over (stall stamp included).
         pair = entry.pairs.pop(database, None)
+        self.map.recount()
         entry.disarm()
         self.scheduler.cancel(entry.url, database)
         self.antientropy.forget(entry.key, database)
@@ -1101,6 +1104,7 @@ class Node:
                     # The sessions died with the process; a respawn in the same slot starts empty, so the pair is
                     # unplaced until the stale sweep sets it up again (on a live worker, or on the respawned one).
                     pair.placed = -1
+                    self.map.recount()
                 if pair.accepted_by == handle.slot:
                     pair.accepted_by = None
                 if pair.dispatched_to == handle.slot:

@@ -164,6 +164,7 @@ class ReplicationMap:
     def __init__(self) -> None:
         self._entries: dict[str, Entry] = {}
         self._by_peer: dict[str, str] = {}
+        self._load: tuple[tuple[int, ...], dict[int, int]] | None = None  # (the slots counted, pairs on each)
 
     def __iter__(self):  # type: ignore[no-untyped-def]
         return iter(list(self._entries.values()))
@@ -185,9 +186,11 @@ class ReplicationMap:
             old.disarm()
         self._entries[entry.key] = entry
         self._by_peer[entry.peer] = entry.key
+        self._load = None
 
     def remove(self, key: str) -> Entry | None:
         entry = self._entries.pop(key, None)
+        self._load = None
         if entry is not None:
             entry.disarm()
             if self._by_peer.get(entry.peer) == key:
@@ -199,13 +202,27 @@ class ReplicationMap:
         return entry.pairs.get(database) if entry is not None else None
 
     def load(self, slots: list[int]) -> dict[int, int]:
-        """How many pairs are placed on each of `slots` (the measure placement evens out)."""
-        load = dict.fromkeys(slots, 0)
-        for entry in self._entries.values():
-            for pair in entry.pairs.values():
-                if pair.placed in load:
-                    load[pair.placed] += 1
-        return load
+        """How many pairs are placed on each of `slots` (the measure placement evens out; read only). Counted over
+        every pair once, then kept by `placed_on` until a pair moves or goes another way (`recount`), so placing
+        the pairs of 1,000 databases is linear, not quadratic, in the coordinator's loop."""
+        key = tuple(slots)
+        if self._load is None or self._load[0] != key:
+            load = dict.fromkeys(slots, 0)
+            for entry in self._entries.values():
+                for pair in entry.pairs.values():
+                    if pair.placed in load:
+                        load[pair.placed] += 1
+            self._load = (key, load)
+        return self._load[1]
+
+    def placed_on(self, slot: int) -> None:
+        """A pair was just placed on `slot` (`Node.place`)."""
+        if self._load is not None and slot in self._load[1]:
+            self._load[1][slot] += 1
+
+    def recount(self) -> None:
+        """A pair was dropped, moved or unplaced other than by `Node.place`: `load` counts again."""
+        self._load = None
 
 
 def should_fire_stall_kick(pair: PairState | None, watch: StallWatch) -> bool:

@@ -118,6 +118,7 @@ def move_pair(node: ScalingView, entry: Entry, database: str, pair: PairState, w
         node.supervisor.send(old, messages.Unsubscribe(key=entry.key, database=database))
     entry.disarm()
     pair.placed = worker
+    node.map.recount()
     pair.connected = False
     pair.disconnected_at = node.loop.time()
     node.reassignments += 1

@@ -204,3 +204,33 @@ def test_scaling_down_spreads_the_retiring_workers_pairs_over_the_rest(loop: Vir
     assert sorted((p, d) for _, _, p, d in sent) == moved
     assert [t for t, *_ in sent] == [round(10.3 + STAGGER * i, 9) for i in range(6)]
     assert all(b - a >= STAGGER - 1e-9 for a, b in itertools.pairwise(t for t, *_ in sent))
+
+
+def test_the_load_placement_keeps_is_the_count_of_every_pair_after_each_change(loop: VirtualTimeLoop) -> None:
+    """`ReplicationMap.load` is counted once and then kept as pairs are placed (placing a thousand databases'
+    pairs is linear); after each other change (a pair dropped, a worker's exit, a move) it is what a fresh count of
+    every pair says."""
+    node, supervisor = _scaling_node(loop, slots=3)
+
+    def kept_is_fresh() -> None:
+        live = node.supervisor.live()
+        fresh = Counter(pair.placed for entry in node.map for pair in entry.pairs.values() if pair.placed in live)
+        assert node.map.load(live) == {slot: fresh.get(slot, 0) for slot in live}
+
+    kept_is_fresh()
+    add(node, peer("d", 4000, holds=DATABASES))  # six more pairs placed one by one
+    kept_is_fresh()
+    add(node, peer("b", 2000, holds=("db1",)))  # b's pairs of db2..db5 dropped
+    loop.advance(2.0)
+    kept_is_fresh()
+    supervisor.workers[1].alive = False
+    node.on_worker_exit(supervisor.workers[1])  # type: ignore[arg-type]
+    kept_is_fresh()
+    loop.advance(5.0)
+    kept_is_fresh()
+    assert 1 not in placements(node).values()
+    loop.run(node.scale(5))
+    loop.advance(5.0)
+    kept_is_fresh()
+    spread = Counter(placements(node).values())
+    assert max(spread.values()) - min(spread.values()) <= 1
