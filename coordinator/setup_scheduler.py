@@ -20,6 +20,9 @@ one tick), so each setup of a sweep fires at the earliest time, not before its o
 from every time the sweep has already claimed. A pair backed off to 25 s claims a slot at 25 s and does not hold
 back the healthy pairs of the same sweep. A dispatch the scheduler does not make itself (a forced reconnect of a
 wedged pair) takes a slot of the same sweep with `call_at_slot`, so it keeps the same spacing from the setups.
+Timers fire late, never early: a dispatch that comes due less than `stagger` after the sweep's last one, because
+that one fired late (a busy loop), waits for the rest of the spacing, so the spacing holds between the dispatches
+themselves, not only between their due times.
 """
 
 from __future__ import annotations
@@ -59,10 +62,11 @@ class Sweep:
     each claim; the list lives as long as the caller's token or the setups still armed with it, whichever is longer.
     """
 
-    __slots__ = ("__weakref__", "_claimed")
+    __slots__ = ("__weakref__", "_claimed", "_fired")
 
     def __init__(self) -> None:
         self._claimed: list[float] = []
+        self._fired = float("-inf")  # when a dispatch of this sweep last happened (not when it was due)
 
     @property
     def claimed(self) -> tuple[float, ...]:
@@ -233,26 +237,30 @@ class SetupScheduler:
         It still belongs to the sweeps it joined before, so the new time has to be free in all of them.
         """
         now = self._loop.time()
-        stagger = self._stagger
         for other in armed.sweeps:
             other._release(armed.when)
-        sweeps = (*armed.sweeps, sweep)
+        armed.sweeps = (*armed.sweeps, sweep)
+        was = armed.when
+        self._join_claims(armed, now)
+        if armed.when != was:
+            if armed.handle is not None:
+                armed.handle.cancel()
+            armed.handle = self._loop.call_later(max(0.0, armed.when - now), self._fire, armed)
+
+    def _join_claims(self, armed: _Armed, now: float) -> None:
+        """Move `armed.when` to the earliest time from it free in every sweep of the setup, and claim it there."""
+        stagger = self._stagger
         when = armed.when
         while True:
             moved = when
-            for member in sweeps:
+            for member in armed.sweeps:
                 moved = member._free_slot(moved, stagger)
             if moved == when:
                 break
             when = moved
-        for member in sweeps:
+        for member in armed.sweeps:
             member._claim(when, now, stagger)
-        armed.sweeps = sweeps
-        if when != armed.when:
-            if armed.handle is not None:
-                armed.handle.cancel()
-            armed.when = when
-            armed.handle = self._loop.call_later(max(0.0, when - now), self._fire, armed)
+        armed.when = when
 
     def call_at_slot(self, sweep: Sweep, delay: float, callback: Callable[..., object], *args: Any) -> SlotTimer:
         """Run `callback(*args)` at the earliest time, not before `delay` from now, free in `sweep`, and claim it.
@@ -263,8 +271,29 @@ class SetupScheduler:
         when = sweep._free_slot(now + max(0.0, delay), self._stagger)
         sweep._claim(when, now, self._stagger)
         timer = SlotTimer(sweep, when)
-        timer._handle = self._loop.call_later(when - now, timer._fire, callback, args)
+        timer._handle = self._loop.call_later(when - now, self._fire_slot, timer, callback, args)
         return timer
+
+    def _late_by_the_one_before(self, sweeps: tuple[Sweep, ...], now: float) -> float | None:
+        """When a dispatch due now must wait instead: `stagger` after the sweep's last dispatch, if that one fired
+        late (a busy loop) and so less than `stagger` ago. Timers fire late, never early, so spacing kept between
+        due times alone would let a late dispatch crowd the next one; this keeps it between the dispatches."""
+        due = max((sweep._fired + self._stagger for sweep in sweeps), default=now)
+        return due if due > now + _ROUNDING else None
+
+    def _fire_slot(self, timer: SlotTimer, callback: Callable[..., object], args: tuple[Any, ...]) -> None:
+        sweep = timer._sweep
+        if sweep is None:
+            return
+        now = self._loop.time()
+        if (due := self._late_by_the_one_before((sweep,), now)) is not None:
+            sweep._release(timer.when)
+            timer.when = sweep._free_slot(due, self._stagger)
+            sweep._claim(timer.when, now, self._stagger)
+            timer._handle = self._loop.call_later(timer.when - now, self._fire_slot, timer, callback, args)
+            return
+        sweep._fired = now
+        timer._fire(callback, args)
 
     def refresh_pending(self, peer_url: str, database: str, payload: Any) -> bool:
         """Replace the payload of the armed setup; False when none is armed."""
@@ -316,6 +345,16 @@ class SetupScheduler:
         key = armed.key
         if self._armed.get(key) is not armed:
             return  # disarmed after the loop had already picked the timer
+        now = self._loop.time()
+        if (due := self._late_by_the_one_before(armed.sweeps, now)) is not None:
+            for sweep in armed.sweeps:
+                sweep._release(armed.when)
+            armed.when = due
+            self._join_claims(armed, now)
+            armed.handle = self._loop.call_later(armed.when - now, self._fire, armed)
+            return
+        for sweep in armed.sweeps:
+            sweep._fired = now
         del self._armed[key]
         armed.handle = None
         armed.sweeps = ()

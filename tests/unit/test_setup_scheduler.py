@@ -395,6 +395,28 @@ def test_a_slot_outside_schedule_keeps_the_spacing_and_is_given_back_when_cancel
     assert loop.pending_timers() == []
 
 
+def test_a_dispatch_that_fired_late_keeps_the_next_ones_stagger_after_it(loop: VirtualTimeLoop) -> None:
+    """Timers fire late, never early: a loop held 180 ms (a long callback, a busy host) makes every due dispatch
+    fire at once when it is free. The spacing holds between the dispatches as they happened, setups and slots taken
+    outside `schedule` alike (the integration test of a killed worker saw 0.139 s between two, stagger 0.2 s)."""
+    scheduler, rec = make(loop, Draws(0.0, 0.0))
+    sweep = scheduler.sweep()
+    fired: list[tuple[float, str]] = []
+    scheduler.schedule("wss://a:1", "db", "a", sweep=sweep)  # due 0.2
+    scheduler.schedule("wss://b:1", "db", "b", sweep=sweep)  # 0.2 is a's: due 0.25
+    scheduler.call_at_slot(sweep, 0.25, lambda: fired.append((round(loop.time(), 9), "z")))  # due 0.3
+
+    def hold_the_loop() -> None:
+        loop._now = 0.33  # the callback ran 180 ms
+
+    loop.call_at(0.15, hold_the_loop)
+    loop.advance(1)
+    assert rec.times() == [pytest.approx(0.33), pytest.approx(0.38)]
+    assert fired == [(0.43, "z")]
+    assert_spaced([*rec.times(), 0.43])
+    assert loop.pending_timers() == []
+
+
 pair_states = st.tuples(
     st.sampled_from(["fresh", "escalated", "armed"]),
     st.integers(1, 7),  # dispatches before the sweep, for "escalated"
