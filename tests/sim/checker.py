@@ -141,7 +141,17 @@ class Ledger:
 
     def restored(self, cluster: Cluster, node: SimNode) -> int:
         """`node`'s data directory was replaced by a backup: what the backup holds is in the cluster again, an
-        operation counted lost since (its file lost after the backup was taken, say) among it."""
+        operation counted lost since (its file lost after the backup was taken, say) among it, and a deletion whose
+        marker (or floors, in a file born with them) went with a wipe after the backup was taken: it applies again.
+        """
+        system = node.rows("system")
+        for deletion in self.deletions:
+            key = ("dropped", f"{deletion.database}@{deletion.node}")
+            if deletion.lost and (
+                system.get(key, (0, "", False))[0] >= deletion.marker
+                or deletion.floors.within(node.file_floors(deletion.database))
+            ):
+                deletion.lost = False
         found = 0
         for database in {name for name, _, _ in self.ops}:
             rows = node.rows(database)

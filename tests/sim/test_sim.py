@@ -59,7 +59,9 @@ FOUND_2 = [108, 232, 332, 683, 1179, 1185, 2525, 4987, 5583, 12695, 16894, 17030
 #   3603  a recovering file emptied by a deletion was removed while a peer held own writes of it above the floor
 #   5492  (the checker) a node wiped with its clock 24.5 s back wrote its registry row below its first one; the file
 #         wrote it again above (`this_life`), which the checker, ordering the two by version, called a lost write
-FOUND_3 = [2161, 3603, 5492]
+#   23991 (the checker) a deletion counted lost with the node's wiped system database came back with a backup
+#         that held its marker, and removed, on every node, a write acknowledged before it
+FOUND_3 = [2161, 3603, 5492, 23991]
 
 
 @pytest.mark.parametrize("name", sorted(scenarios.ALL))
