@@ -134,6 +134,13 @@ BENCHES = [
         quick=["--outage", "20"],
     ),
     Bench(
+        "placement_cost",
+        "placement_cost.py",
+        "the coordinator's CPU time to place and arm every pair of 2 and 4 peers holding 1,000 databases each",
+        quick=["--peers", "2", "--databases", "200"],
+        headline=["cpu_seconds.2x1000", "cpu_seconds.4x1000", "cpu_seconds.2x200"],
+    ),
+    Bench(
         "scrape_size",
         "scrape_size.py",
         "one /metrics scrape of a node with 1,000 databases and 2 peers: bytes, series per database, time",
