@@ -5,6 +5,7 @@ on a virtual clock."""
 from __future__ import annotations
 
 import asyncio
+import string
 from typing import Any
 
 import pytest
@@ -66,7 +67,12 @@ def test_tokens_round_trip_merge_per_origin_and_refuse_what_they_cannot_hold() -
             confirm.parse_token(bad)
 
 
-@given(st.lists(st.dictionaries(st.from_regex(r"[a-z]{1,3}", fullmatch=True), st.integers(1, 2**62)), max_size=4))
+# Origins as plain text of a-z: a dictionary keyed by `from_regex` drew differently on a replay once, which hypothesis
+# reports as a flaky strategy (FlakyStrategyDefinition), failing a run whatever the code under test does.
+ORIGINS = st.text(alphabet=string.ascii_lowercase, min_size=1, max_size=3)
+
+
+@given(st.lists(st.dictionaries(ORIGINS, st.integers(1, 2**62)), max_size=4))
 def test_property_a_merged_token_covers_exactly_what_each_of_its_parts_does(parts: list[dict[str, int]]) -> None:
     merged = confirm.merge(*parts)
     if merged:
