@@ -54,7 +54,7 @@ from replicator.shared.logs import LOGGED_NAMES, log
 from replicator.shared.memory import Trimmer
 from replicator.shared.notify import Doorbell
 from replicator.shared.store import Database, NodeRow, Store, UnknownDatabase
-from replicator.shared.tls import PeerIdentity, TlsConfigError, peer_identity
+from replicator.shared.tls import PeerIdentity, TlsConfigError
 
 EXIT_OK = 0
 EXIT_BOOT_ERROR = 3
@@ -420,7 +420,7 @@ class Node:
             return
         # A certificate the cluster revoked writes nothing: every node ignores the rows it signs, and a row written
         # again after `node remove --revoke` deleted it would only linger as a revoked row on the nodes it reached.
-        identity = peer_identity(self.signer.cert_der)
+        identity = self.signer.identity
         if identity is not None and (reason := self.revoked(identity)) is not None:
             if self._own_revoked != reason:
                 log.error("own_certificate_revoked", reason=reason, serial=identity.serial)
@@ -1096,15 +1096,13 @@ class Node:
         self.confirmations.worker_gone(handle.slot)
         self.blob_repairs.on_worker_exit(handle.slot)
         for entry in self.map:
-            if entry.on_worker(handle.slot):
-                # A re-drive timer of the entry may be aimed at a pair that was there: it goes.
-                entry.disarm()
+            held = False
             for pair in entry.pairs.values():
                 if pair.placed == handle.slot:
                     # The sessions died with the process; a respawn in the same slot starts empty, so the pair is
                     # unplaced until the stale sweep sets it up again (on a live worker, or on the respawned one).
                     pair.placed = -1
-                    self.map.recount()
+                    held = True
                 if pair.accepted_by == handle.slot:
                     pair.accepted_by = None
                 if pair.dispatched_to == handle.slot:
@@ -1115,6 +1113,9 @@ class Node:
                     if pair.disconnected_at is None or pair.connected_at is not None:
                         pair.disconnected_at = self.loop.time()
                     self.router.report(pair.database, entry.peer, up=False)
+            if held:
+                entry.disarm()  # a re-drive timer of the entry may be aimed at a pair that was there
+        self.map.recount()
         if not self._closing:
             self.reconcile_stale()
 

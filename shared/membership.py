@@ -27,6 +27,7 @@ introduction is removed or its node writes its own row.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -112,6 +113,11 @@ class Signer:
     name: str
     cert_der: bytes
     key: Any
+
+    @functools.cached_property
+    def identity(self) -> PeerIdentity | None:
+        """The identity peers read from this certificate (what a revocation is judged against), parsed once."""
+        return peer_identity(self.cert_der)
 
     @classmethod
     def load(cls, name: str, cert_path: str | Path, key_path: str | Path) -> Signer:
