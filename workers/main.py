@@ -30,7 +30,7 @@ import msgspec
 import psutil
 
 from replicator.shared import config as config_module
-from replicator.shared import messages
+from replicator.shared import messages, wire
 from replicator.shared.http_errors import error_text
 from replicator.shared.keys import pair_key
 from replicator.shared.logs import bridge_logging, log
@@ -38,14 +38,21 @@ from replicator.shared.memory import Trimmer
 from replicator.shared.notify import Doorbell
 from replicator.shared.prctl import PR_SET_PDEATHSIG, prctl
 from replicator.shared.store import Store
-from replicator.shared.tls import TlsConfigError, TlsMaterial, contexts, limit_read_buffers, read_material
-from replicator.workers import antientropy, blob_repair, blobs, frames
+from replicator.shared.tls import (
+    TlsConfigError,
+    TlsMaterial,
+    contexts,
+    limit_read_buffers,
+    peer_identity,
+    read_material,
+)
+from replicator.workers import antientropy, blob_repair, blobs, frames, link
 from replicator.workers.admission import WorkerAdmission
 from replicator.workers.context import SYSTEM, WorkerContext
 from replicator.workers.counters import Counters
 from replicator.workers.resolver import PinnedResolver
 from replicator.workers.server import ReplicationServer
-from replicator.workers.session import PeerSession, note_refused_row
+from replicator.workers.session import DIAL_TIMEOUT, PeerSession, dial_socket, note_refused_row
 
 EXIT_OK = 0
 EXIT_BOOT_ERROR = 3
@@ -147,6 +154,7 @@ class Worker:
         self.ctx: WorkerContext | None = None
         self._server: ReplicationServer | None = None
         self._http: aiohttp.ClientSession | None = None
+        self._links: link.LinkPool | None = None
         self._admission: WorkerAdmission | None = None
         self._rounds: dict[tuple[str, str], asyncio.Task[None]] = {}  # anti-entropy rounds running, by pair
         # Databases being removed from this node (DropDatabase until ReleaseDatabase), and the task closing each.
@@ -338,6 +346,23 @@ class Worker:
         self._http = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, resolver=resolver), ws_response_class=frames.SubscriberSocket
         )
+        self._links = self._link_pool(self._http, self.ctx)
+
+    def _link_pool(self, http: aiohttp.ClientSession, ctx: WorkerContext) -> link.LinkPool:
+        """This worker's links: one per peer URL, each dialled offering a link first and per-pair sockets second,
+        within the dial timeout of a session."""
+
+        async def dial(url: str) -> Any:
+            async with asyncio.timeout(DIAL_TIMEOUT):  # not wait_for: see workers.frames.receive
+                return await dial_socket(http, ctx, url, [link.SUBPROTOCOL, wire.SUBPROTOCOL])
+
+        return link.LinkPool(dial, frame_limit=ctx.config.replication.max_frame_bytes, report=self._report_link)
+
+    def _report_link(self, peer: str, key: str, up: bool, streams: int) -> None:
+        if up:
+            log.info("connection_opened", peer=peer, worker=self.worker_id)
+        else:
+            log.info("connection_closed", peer=peer, worker=self.worker_id, streams=streams)
 
     def _doorbell(self, directory: Path) -> Doorbell | None:
         """This worker's commit doorbell; without one, commits of the other processes reach its senders by the
@@ -393,7 +418,9 @@ class Worker:
         session = self._sessions.get(pk)
         if action == "subscribe":
             if session is None:
-                session = PeerSession(self.ctx, self._http, message, self._next_session_id, self._rng.random)
+                session = PeerSession(
+                    self.ctx, self._http, message, self._next_session_id, self._rng.random, links=self._links
+                )
                 self._sessions[pk] = session
                 session.start()
             else:
@@ -589,6 +616,8 @@ class Worker:
                     continue
                 seen = version
                 await self._server.close_revoked()
+                if self._links is not None:
+                    await self._links.close_where(self._revoked_link)
                 for session in list(self._sessions.values()):
                     identity = session.server_identity
                     reason = self.ctx.revoked(identity) if identity is not None and session.connected else None
@@ -597,6 +626,15 @@ class Worker:
                         session.force_reconnect(None, f"the server's {reason}")
             except Exception as exc:  # the watch must outlive a bad registry read
                 log.warning("revocation_check_failed", error=repr(exc), sample_by=())
+
+    def _revoked_link(self, dialled: link.Link) -> str | None:
+        """Why a dialled link's server may no longer be spoken to (its certificate is revoked), or None."""
+        assert self.ctx is not None
+        identity = peer_identity(dialled.ws.get_extra_info("ssl_object"))
+        reason = self.ctx.revoked(identity) if identity is not None else None
+        if reason is not None:
+            log.warning("link_revoked", peer=identity.name, serial=identity.serial, reason=reason)
+        return None if reason is None else f"the server's {reason}"
 
     async def _shutdown(self) -> None:
         """Drain: close every session with going-away, commit what is applied, stop serving, within the deadline."""
@@ -615,6 +653,8 @@ class Worker:
                 await asyncio.gather(*closers, return_exceptions=True)
         except TimeoutError:
             log.warning("worker_drain_timeout", deadline_s=self._shutdown_deadline)
+        if self._links is not None:
+            await self._links.close()
         if self._http is not None:
             await self._http.close()
         if self.ctx is not None:

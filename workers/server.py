@@ -14,7 +14,7 @@ import asyncio
 import ssl
 from typing import Any
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from replicator.shared import antientropy_queries as queries
 from replicator.shared import wire
@@ -22,7 +22,7 @@ from replicator.shared.http_errors import error_response, json_runner
 from replicator.shared.logs import capture_library_logs, log
 from replicator.shared.store import UnknownDatabase
 from replicator.shared.tls import PeerIdentity, peer_identity
-from replicator.workers import blobs, frames, send_auth
+from replicator.workers import blobs, frames, link, send_auth
 from replicator.workers.context import WorkerContext
 from replicator.workers.data_api import DataApi, answer_errors
 from replicator.workers.listener import GuardedSite
@@ -38,6 +38,7 @@ class ReplicationServer:
         self._runner: web.AppRunner | None = None
         self._site: GuardedSite | None = None
         self._sockets: dict[Any, PeerIdentity] = {}  # live replication sessions, by the peer's identity
+        self._links: dict[link.Link, PeerIdentity] = {}  # live links a peer dialled, each carrying sessions
         # The sender of each live session, and an event set once it no longer uses the store.
         self._senders: dict[Any, tuple[Sender, asyncio.Event]] = {}
         self._queries = queries.Admission()  # turns to answer anti-entropy queries, per peer and in all
@@ -73,6 +74,10 @@ class ReplicationServer:
 
     async def close(self) -> None:
         """Close every replication session with going-away, then stop serving."""
+        await asyncio.gather(
+            *(answered.close(wire.CLOSE_GOING_AWAY, "node shutting down") for answered in list(self._links)),
+            return_exceptions=True,
+        )
         await asyncio.gather(
             *(frames.close(ws, wire.CLOSE_GOING_AWAY, "node shutting down") for ws in list(self._sockets)),
             return_exceptions=True,
@@ -117,6 +122,11 @@ class ReplicationServer:
     async def close_revoked(self) -> int:
         """Close every live session whose peer certificate is revoked now; returns how many."""
         closing = []
+        for answered, identity in list(self._links.items()):
+            reason = self._ctx.revoked(identity)
+            if reason is not None:
+                log.warning("link_revoked", peer=identity.name, serial=identity.serial, reason=reason)
+                closing.append(answered.close(wire.CLOSE_POLICY, reason))
         for ws, identity in list(self._sockets.items()):
             reason = self._ctx.revoked(identity)
             if reason is not None:
@@ -190,9 +200,12 @@ class ReplicationServer:
         identity = await self._peer(request)
         if isinstance(identity, web.Response):
             return identity
-        identity_name = identity.name
+        limit = self._ctx.config.replication.max_frame_bytes
+        offered = [p.strip() for p in request.headers.get(hdrs.SEC_WEBSOCKET_PROTOCOL, "").split(",")]
+        if link.SUBPROTOCOL in offered:
+            return await self._link(request, identity, limit)
         ws = frames.SenderSocket(
-            self._ctx.config.replication.max_frame_bytes,
+            limit,
             protocols=[wire.SUBPROTOCOL],
             # Longer than the subscriber's on purpose (workers.frames): while its pings arrive this end sends none.
             heartbeat=frames.SENDER_HEARTBEAT,
@@ -201,6 +214,38 @@ class ReplicationServer:
         if ws.ws_protocol != wire.SUBPROTOCOL:
             await frames.close(ws, wire.CLOSE_POLICY, f"subprotocol {wire.SUBPROTOCOL} is required")
             return ws
+        await self._serve(ws, identity)
+        return ws
+
+    async def _link(self, request: web.Request, identity: PeerIdentity, limit: int) -> web.StreamResponse:
+        """A link from a peer (`workers.link`): a session for every stream it opens, until the link ends."""
+        ws = frames.SenderSocket(
+            limit + link.HEADER.size, protocols=[link.SUBPROTOCOL], heartbeat=frames.SENDER_HEARTBEAT
+        )
+        ws.frame_limit = limit
+        await ws.prepare(request)
+        serving: set[asyncio.Task[None]] = set()
+
+        def opened(stream: link.Stream) -> None:
+            task = asyncio.get_running_loop().create_task(self._serve(stream, identity))
+            serving.add(task)
+            task.add_done_callback(serving.discard)
+
+        answered = link.Link(ws, peer=identity.name, frame_limit=limit, dialled=False, on_open=opened)
+        self._links[answered] = identity
+        try:
+            code, reason = await answered.run()
+            if code in (wire.CLOSE_MALFORMED, wire.CLOSE_UNSUPPORTED) or reason.startswith("link protocol"):
+                log.warning("session_rejected", peer=identity.name, database="", code=code, reason=reason)
+        finally:
+            self._links.pop(answered, None)
+            await asyncio.gather(*serving, return_exceptions=True)
+            await frames.close(ws, wire.CLOSE_NORMAL, "link ended")
+        return ws
+
+    async def _serve(self, ws: Any, identity: PeerIdentity) -> None:
+        """One session: a per-pair socket's, or a stream's of a link."""
+        identity_name = identity.name
         self._sockets[ws] = identity
         sender = Sender(self._ctx, ws, identity_name)
         done = asyncio.Event()
@@ -224,4 +269,3 @@ class ReplicationServer:
             self._senders.pop(ws, None)
             done.set()
             await frames.close(ws, code, reason)
-        return ws

@@ -43,7 +43,7 @@ from replicator.shared.logs import LOGGED_NAMES, log
 from replicator.shared.retry_budget import RetryBudget
 from replicator.shared.store import BadName, BadRecord, Database
 from replicator.shared.tls import PeerIdentity, peer_identity
-from replicator.workers import blobs, frames
+from replicator.workers import blobs, frames, link
 from replicator.workers.context import SYSTEM, WorkerContext
 from replicator.workers.dropped import open_for_subscription
 
@@ -82,9 +82,11 @@ class PeerSession:
         sub: messages.Subscribe,
         new_session_id: Callable[[], int],
         rng: Callable[[], float] = random.random,
+        links: link.LinkPool | None = None,
     ) -> None:
         self._ctx = ctx
         self._http = http
+        self._links = links  # the worker's links (workers.link); without, every session dials a socket of its own
         self.sub = sub
         self._new_session_id = new_session_id
         loop = asyncio.get_running_loop()
@@ -351,18 +353,9 @@ class PeerSession:
 
     async def _dial(self) -> Any:
         url = self.sub.url.rstrip("/") + "/replication"
-        limit = self._ctx.config.replication.max_frame_bytes
-        ws = await self._http.ws_connect(
-            url,
-            protocols=[wire.SUBPROTOCOL],
-            ssl=self._ctx.client_ssl,
-            max_msg_size=frames.receive_limit(limit),
-            heartbeat=frames.SUBSCRIBER_HEARTBEAT,  # a frozen peer misses its pong: the session ends within 11 s
-            timeout=aiohttp.ClientWSTimeout(ws_close=5.0),
-        )
-        if isinstance(ws, frames.SubscriberSocket):  # the worker's session makes them (workers.main)
-            ws.frame_limit = limit
-        return ws
+        if self._links is not None:
+            return await self._links.open(self.peer, self.sub.key, url)
+        return await dial_socket(self._http, self._ctx, url, [wire.SUBPROTOCOL])
 
     async def _dial_within(self, seconds: float) -> Any:
         async with asyncio.timeout(seconds):  # not wait_for: see workers.frames.receive
@@ -847,3 +840,20 @@ def refuse_registry_rows(
     held = {origin: min(mark, refused_below.get(origin, mark)) for origin, mark in marks.items()}
     dropped = {id(entry) for entry, _, _ in refused}
     return [entry for entry in entries if id(entry) not in dropped], held
+
+
+async def dial_socket(http: aiohttp.ClientSession, ctx: WorkerContext, url: str, protocols: list[str]) -> Any:
+    """A replication WebSocket to `url` offering `protocols`, the most wanted first. Offering a link, its messages
+    may be a link frame's header larger than the frame limit (`workers.link.receive_limit`)."""
+    limit = ctx.config.replication.max_frame_bytes
+    ws = await http.ws_connect(
+        url,
+        protocols=protocols,
+        ssl=ctx.client_ssl,
+        max_msg_size=link.receive_limit(limit) if link.SUBPROTOCOL in protocols else frames.receive_limit(limit),
+        heartbeat=frames.SUBSCRIBER_HEARTBEAT,  # a frozen peer misses its pong: the session ends within 11 s
+        timeout=aiohttp.ClientWSTimeout(ws_close=5.0),
+    )
+    if isinstance(ws, frames.SubscriberSocket):  # the worker's session makes them (workers.main)
+        ws.frame_limit = limit
+    return ws
