@@ -91,7 +91,11 @@ class Metered:
     async def receive(self) -> Any:
         msg = await self._ws.receive()
         if msg.type == WSMsgType.BINARY:
-            self._counters.inc(BYTES_RECEIVED, self._peer, value=len(msg.data))
+            limit = getattr(self._ws, "frame_limit", 0)
+            if limit and len(msg.data) > limit:  # a socket dialled offering a link takes a link's header more
+                self._counters.inc(FRAMES_REFUSED, self._peer)
+            else:
+                self._counters.inc(BYTES_RECEIVED, self._peer, value=len(msg.data))
         elif msg.type == WSMsgType.ERROR and getattr(msg.data, "code", None) == wire.CLOSE_TOO_BIG:
             self._counters.inc(FRAMES_REFUSED, self._peer)
         return msg
@@ -113,6 +117,11 @@ async def receive(ws: Any, timeout: float | None = None) -> wire.Message:
     except TimeoutError:
         raise wire.PeerClosed(f"no frame from the peer in {timeout:g} s", wire.CLOSE_GOING_AWAY) from None
     if msg.type == WSMsgType.BINARY:
+        limit = getattr(ws, "frame_limit", 0)
+        if limit and len(msg.data) > limit:
+            # aiohttp enforces the limit it was given; a socket dialled offering a link (workers.link) was given a
+            # link frame's header more, and a peer that answered per pair is held to the limit here.
+            raise wire.ProtocolViolation(too_large(limit), wire.CLOSE_TOO_BIG)
         return wire.decode(msg.data)
     if msg.type == WSMsgType.TEXT:
         raise wire.MalformedFrame("text frames are not part of replicator.v1", unknown_type=True)
