@@ -622,7 +622,16 @@ def status_document(node: AdminView) -> dict[str, Any]:
             )
         # Each database is placed on a worker of its own: a peer's pairs may be spread over several workers.
         placed_on = sorted({pair.placed for pair in entry.pairs.values() if pair.placed >= 0})
-        connections.append({"peer": entry.peer, "url": entry.url, "workers": placed_on, "databases": databases})
+        connections.append(
+            {
+                "peer": entry.peer,
+                "url": entry.url,
+                "workers": placed_on,
+                # The workers whose multiplexed link to the peer is up (their LinkState reports).
+                "links": node.links.workers_up(entry.key),
+                "databases": databases,
+            }
+        )
     coordinator = {"pid": os.getpid(), "pss_bytes": pss.coordinator or 0}
     # The other processes the coordinator started (the worker template; multiprocessing's resource tracker when
     # workers are spawned) are the node's too.

@@ -32,6 +32,7 @@ from replicator.coordinator.confirmations import Confirmations
 from replicator.coordinator.credentials import Credentials
 from replicator.coordinator.database_limit import DatabaseLimit
 from replicator.coordinator.drops import Drops
+from replicator.coordinator.links import Link, Links
 from replicator.coordinator.metrics import Metrics
 from replicator.coordinator.reachability import unreachable_from_peers
 from replicator.coordinator.recovery import Recoveries
@@ -116,6 +117,9 @@ class Node:
             rng=self.rng,
             template=worker_template,
         )
+        # Per (worker, connection key): whether the worker's link is up and when a dial last went out to it; which
+        # setups take a ladder slot (`Links.needs_slot`).
+        self.links = Links(self._link_of)
         self.scheduler = self._new_scheduler()
         # One sweep for every path that dispatches (registry, stale workers, wedge re-drives, scaling): any two
         # dispatches keep `stagger` apart, whichever paths they come from (invariant 2).
@@ -194,7 +198,26 @@ class Node:
             maximum=30.0,
             stagger=rep.stagger,
             on_armed=self._on_setup_armed,
+            links=self.links,
         )
+
+    def _link_of(self, peer_url: str, database: str) -> Link | None:
+        """The link a setup of the pair would go over now: its placed worker and the peer's key (`Links`)."""
+        key = connection_key(peer_url)
+        entry = self.map.get(key)
+        pair = entry.pairs.get(database) if entry is not None else None
+        if pair is None or not self.supervisor.is_live(pair.placed):
+            return None
+        return (pair.placed, key)
+
+    def _at_slot_unless_linked(
+        self, link: Link | None, delay: float, callback: Callable[..., object], *args: Any
+    ) -> Any:
+        """A timer for a force-reconnect over `link`: on a live link (`Links.needs_slot`) a plain one, else a slot of
+        the ladder. The callback gets `slotted` (whether it holds a slot) after `args`."""
+        if self.links.needs_slot(link, self.loop.time()):
+            return self.scheduler.call_at_slot(self.ladder, delay, callback, *args, True)
+        return self.loop.call_later(delay, callback, *args, False)
 
     @property
     def name(self) -> str:
@@ -910,13 +933,18 @@ class Node:
                 self.metrics.apply_histograms(histograms)
             case messages.TlsLoaded():
                 self._on_tls_loaded(slot, message)
-            case messages.Ready():
+            case messages.Ready(links=shares):
+                self.links.forget_worker(slot)  # a respawned worker starts with no link
+                if shares:
+                    self.links.sharing(slot)
                 self.worker_ready.set()
                 self.confirmations.worker_ready(slot)
                 if self.supervisor.all_ready():
                     self._ready.set()
                 if self._ready.is_set():
                     self.reconcile_stale()
+            case messages.LinkState(key=key, up=link_up, streams=streams):
+                self.links.report(slot, key, link_up, streams)
             case messages.SubscribeAccepted(key=key, database=database):
                 pair = self.map.pair(key, database)
                 if pair is not None:
@@ -1092,6 +1120,7 @@ class Node:
 
     def on_worker_exit(self, handle: WorkerHandle) -> None:
         self.worker_tls.pop(handle.slot, None)
+        self.links.forget_worker(handle.slot)  # its links died with it
         self.antientropy.on_worker_exit(handle.slot)
         self.confirmations.worker_gone(handle.slot)
         self.blob_repairs.on_worker_exit(handle.slot)
@@ -1195,7 +1224,14 @@ class Node:
         log.warning("wedge_redrive", count=len(wedged))
         base = self._redrive_base()
         for entry in wedged:
-            entry.arm(self.scheduler.call_at_slot(self.ladder, base, self._fire_wedge, entry), "wedge")
+            entry.arm(self._at_slot_unless_linked(self._wedge_link(entry, now), base, self._fire_wedge, entry), "wedge")
+
+    def _wedge_link(self, entry: Entry, now: float) -> Link | None:
+        """The link a re-drive of the entry would force-reconnect over now; None when it would set one up anew."""
+        wedged = self._wedged_pairs(entry, now, self.config.replication.wedge_threshold)
+        if not wedged or wedged[0][1].accepted_by != wedged[0][1].placed:
+            return None
+        return (wedged[0][1].placed, entry.key)
 
     def _wedged_pairs(self, entry: Entry, now: float, threshold: float) -> list[tuple[str, PairState]]:
         """The entry's pairs down for the threshold. A pair whose setup is still armed is the schedule's, not
@@ -1217,7 +1253,7 @@ class Node:
                 wedged.append((database, pair))
         return wedged
 
-    def _fire_wedge(self, entry: Entry) -> None:
+    def _fire_wedge(self, entry: Entry, slotted: bool = True) -> None:
         entry.redrive = None
         entry.redrive_kind = ""
         if self.map.get(entry.key) is not entry:
@@ -1229,6 +1265,10 @@ class Node:
             return
         # One database per slot: re-driving all of an entry's databases at once would be a burst of handshakes.
         database, pair = wedged[0]
+        if not slotted and pair.accepted_by == pair.placed and self.links.needs_slot((pair.placed, entry.key), now):
+            # Armed for a live link that is not live (or not the way) now: it takes a slot after all.
+            entry.arm(self.scheduler.call_at_slot(self.ladder, 0.0, self._fire_wedge, entry, True), "wedge")
+            return
         self.redrives["wedge"] += 1
         pair.disconnected_at = now  # the next re-drive waits another threshold
         if pair.accepted_by == pair.placed:
@@ -1239,7 +1279,7 @@ class Node:
         elif not self.scheduler.schedule(entry.url, database, pair.payload, sweep=self.ladder):
             self.scheduler.refresh_pending(entry.url, database, pair.payload)
         if len(wedged) > 1:
-            entry.arm(self.scheduler.call_at_slot(self.ladder, 0.0, self._fire_wedge, entry), "wedge")
+            entry.arm(self._at_slot_unless_linked(self._wedge_link(entry, now), 0.0, self._fire_wedge, entry), "wedge")
 
     def _kick_stalled(self, now: float) -> None:
         threshold = self.config.replication.stall_threshold
@@ -1260,15 +1300,21 @@ class Node:
             return
         base = self._redrive_base()
         for entry, database, watch in candidates:
-            entry.arm(self.scheduler.call_at_slot(self.ladder, base, self._fire_stall, entry, database, watch), "stall")
+            link = (watch.worker, entry.key)
+            entry.arm(self._at_slot_unless_linked(link, base, self._fire_stall, entry, database, watch), "stall")
 
-    def _fire_stall(self, entry: Entry, database: str, watch: StallWatch) -> None:
+    def _fire_stall(self, entry: Entry, database: str, watch: StallWatch, slotted: bool = True) -> None:
         entry.redrive = None
         entry.redrive_kind = ""
         pair = entry.pairs.get(database) if self.map.get(entry.key) is entry else None
         if not should_fire_stall_kick(pair, watch):
             return
         assert pair is not None
+        if not slotted and self.links.needs_slot((watch.worker, entry.key), self.loop.time()):
+            # Armed for a live link that went down since: the kick takes a slot after all.
+            timer = self.scheduler.call_at_slot(self.ladder, 0.0, self._fire_stall, entry, database, watch, True)
+            entry.arm(timer, "stall")
+            return
         pair.stall = None
         pair.stall_kicked_at = self.loop.time()
         self.redrives["stall"] += 1

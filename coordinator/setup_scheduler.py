@@ -23,6 +23,14 @@ wedged pair) takes a slot of the same sweep with `call_at_slot`, so it keeps the
 Timers fire late, never early: a dispatch that comes due less than `stagger` after the sweep's last one, because
 that one fired late (a busy loop), waits for the rest of the spacing, so the spacing holds between the dispatches
 themselves, not only between their due times.
+
+With multiplexed links (issue 23) the ladder spaces what it exists to bound, TLS handshakes: given a `Links`
+(`coordinator.links`), a setup whose worker's link to the peer is up, or whose dial is in flight (dispatched or
+armed with a slot), takes no slot: it fires at its own due time, and it does not move the sweep's last dispatch
+(`_late_by_the_one_before`). Whether a setup needs a slot is `Links.needs_slot`, asked when it is armed and again
+when it fires: a setup armed without a slot that finds, at its time, nothing to share claims one then; one that
+comes due before the armed dial it will share waits for that dial (it follows it, dispatched right after it); one
+armed with a slot whose link came up meanwhile hands the slot back and goes.
 """
 
 from __future__ import annotations
@@ -30,10 +38,13 @@ from __future__ import annotations
 import bisect
 import random
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from replicator.shared.backoff import Backoff
 from replicator.shared.logs import log
+
+if TYPE_CHECKING:
+    from replicator.coordinator.links import Link, Links
 
 
 class TimerHandle(Protocol):
@@ -133,13 +144,16 @@ class SlotTimer:
 
 
 class _Armed:
-    __slots__ = ("handle", "key", "payload", "sweeps", "when")
+    __slots__ = ("followers", "handle", "key", "ladder", "link", "payload", "sweeps", "when")
 
     def __init__(self, key: Pair, payload: Any, when: float, sweeps: tuple[Sweep, ...]) -> None:
         self.key = key
         self.payload = payload
         self.when = when
-        self.sweeps = sweeps
+        self.sweeps = sweeps  # the sweeps it holds a claimed slot of
+        self.ladder: tuple[Sweep, ...] = ()  # the sweeps it belongs to without a slot (it shares a link or a dial)
+        self.link: Link | None = None  # the link whose dial this setup is (it holds a slot for it)
+        self.followers: list[_Armed] = []  # setups that came due before this dial, waiting to share it
         self.handle: TimerHandle | None = None
 
 
@@ -157,6 +171,7 @@ class SetupScheduler:
         maximum: float = 30.0,
         stagger: float = 0.05,
         on_armed: OnArmed | None = None,
+        links: Links | None = None,
     ) -> None:
         # Fail at construction, not at the first setup, on a bad schedule.
         Backoff(initial, maximum, floor, rng=rng, clock=loop.time)
@@ -172,6 +187,9 @@ class SetupScheduler:
         self._on_armed = on_armed
         self._schedules: dict[Pair, Backoff] = {}
         self._armed: dict[Pair, _Armed] = {}
+        # Without `links` every setup of a sweep takes a slot (one TLS session per pair).
+        self._links = links
+        self._dials: dict[Link, _Armed] = {}  # link -> the armed setup holding a slot to dial it
         self.requests = 0
         self.armed = 0
         self.dispatched = 0
@@ -219,11 +237,20 @@ class SetupScheduler:
         now = self._loop.time()
         when = now + delay
         sweeps: tuple[Sweep, ...] = ()
-        if sweep is not None:
+        ladder: tuple[Sweep, ...] = ()
+        link: Link | None = None
+        if sweep is not None and self._links is not None:
+            link = self._links.link(peer_url, database)
+            if not self._links.needs_slot(link, now, dial_armed=self._dial_armed(link)):
+                ladder = (sweep,)
+        if sweep is not None and not ladder:
             when = sweep._free_slot(when, self._stagger)
             sweep._claim(when, now, self._stagger)
             sweeps = (sweep,)
         armed = _Armed(key, payload, when, sweeps)
+        armed.ladder = ladder
+        if sweeps:
+            self._hold(armed, link)
         armed.handle = self._loop.call_later(when - now, self._fire, armed)
         self._armed[key] = armed
         self.armed += 1
@@ -234,8 +261,12 @@ class SetupScheduler:
     def _join(self, armed: _Armed, sweep: Sweep) -> None:
         """An armed setup joins a sweep: it keeps its time unless that time is within `stagger` of a claimed one.
 
-        It still belongs to the sweeps it joined before, so the new time has to be free in all of them.
+        It still belongs to the sweeps it joined before, so the new time has to be free in all of them. One armed
+        without a slot (it shares a link or a dial) only joins: it claims a slot if it finds it needs one when due.
         """
+        if armed.ladder:
+            armed.ladder = (*armed.ladder, sweep)
+            return
         now = self._loop.time()
         for other in armed.sweeps:
             other._release(armed.when)
@@ -317,6 +348,10 @@ class SetupScheduler:
         if armed is None:
             return False
         self._disarm(armed)
+        for follower in self._unhold(armed):
+            # The dial they waited for will not happen: each looks again at its link, now.
+            if self._armed.get(follower.key) is follower:
+                follower.handle = self._loop.call_later(0.0, self._fire, follower)
         return True
 
     def cancel_peer(self, peer_url: str) -> int:
@@ -330,7 +365,9 @@ class SetupScheduler:
         """Disarm everything (node shutdown)."""
         armed, self._armed = self._armed, {}
         self._schedules.clear()
+        self._dials.clear()
         for entry in armed.values():
+            entry.followers = []
             self._disarm(entry)
 
     def _disarm(self, armed: _Armed) -> None:
@@ -340,13 +377,65 @@ class SetupScheduler:
         for sweep in armed.sweeps:
             sweep._release(armed.when)
         armed.sweeps = ()
+        armed.ladder = ()
+
+    def _dial_armed(self, link: Link | None) -> bool:
+        """A setup holding a slot to dial `link` is armed: a setup armed now over the same link can share it."""
+        if link is None:
+            return False
+        holder = self._dials.get(link)
+        return holder is not None and self._armed.get(holder.key) is holder
+
+    def _hold(self, armed: _Armed, link: Link | None) -> None:
+        """`armed` holds a slot: it is the dial of `link`, unless another armed setup already is."""
+        if self._links is not None and link is not None and not self._dial_armed(link):
+            self._dials[link] = armed
+            armed.link = link
+
+    def _unhold(self, armed: _Armed) -> list[_Armed]:
+        """`armed` is no longer the dial of its link (dispatched or disarmed): the setups that waited for it."""
+        link, armed.link = armed.link, None
+        if link is not None and self._dials.get(link) is armed:
+            del self._dials[link]
+        followers, armed.followers = armed.followers, []
+        return followers
+
+    def _needs_no_slot_now(self, armed: _Armed, now: float) -> tuple[bool, Link | None]:
+        """Asked when a setup of a sweep comes due: (whether it goes without a slot, the link it goes over)."""
+        links = self._links
+        if links is None or not (armed.sweeps or armed.ladder):
+            return False, None
+        link = links.link(*armed.key)
+        return not links.needs_slot(link, now), link
 
     def _fire(self, armed: _Armed) -> None:
         key = armed.key
         if self._armed.get(key) is not armed:
             return  # disarmed after the loop had already picked the timer
         now = self._loop.time()
-        if (due := self._late_by_the_one_before(armed.sweeps, now)) is not None:
+        free, link = self._needs_no_slot_now(armed, now)
+        if free:
+            # The worker's link is up, or its dial is in flight: a stream frame, not a handshake. A slot it held
+            # goes back, and the sweep's last dispatch stays where it was.
+            for sweep in armed.sweeps:
+                sweep._release(armed.when)
+            self._send(armed, None, now)
+            return
+        if armed.ladder:
+            # Armed to share a link or a dial that is not there now: it needs a slot after all.
+            holder = self._dials.get(link) if link is not None else None
+            if holder is not None and holder is not armed and self._armed.get(holder.key) is holder:
+                armed.handle = None
+                holder.followers.append(armed)  # dispatched right after the dial it shares
+                return
+            armed.sweeps, armed.ladder = armed.ladder, ()
+            armed.when = self._late_by_the_one_before(armed.sweeps, now) or now
+            self._join_claims(armed, now)
+            self._hold(armed, link)
+            if armed.when > now + _ROUNDING:
+                armed.handle = self._loop.call_later(armed.when - now, self._fire, armed)
+                return
+        elif (due := self._late_by_the_one_before(armed.sweeps, now)) is not None:
             for sweep in armed.sweeps:
                 sweep._release(armed.when)
             armed.when = due
@@ -355,12 +444,24 @@ class SetupScheduler:
             return
         for sweep in armed.sweeps:
             sweep._fired = now
+        self._send(armed, link, now)
+
+    def _send(self, armed: _Armed, dial: Link | None, now: float) -> None:
+        """Dispatch the setup; `dial`: the link it dials (it took a slot), which later setups may share."""
+        key = armed.key
         del self._armed[key]
         armed.handle = None
         armed.sweeps = ()
+        armed.ladder = ()
+        followers = self._unhold(armed)
         self.dispatched += 1
         peer_url, database = key
         try:
             self._dispatch(peer_url, database, armed.payload)
         except Exception as exc:
             log.error("subscription_setup_dispatch_failed", url=peer_url, database=database, error=repr(exc))
+        if self._links is not None and dial is not None:
+            self._links.dialed(dial, now)
+        for follower in followers:
+            if self._armed.get(follower.key) is follower:
+                self._fire(follower)

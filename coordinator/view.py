@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from replicator.coordinator.credentials import Credentials
     from replicator.coordinator.database_limit import DatabaseLimit
     from replicator.coordinator.drops import Drops
+    from replicator.coordinator.links import Links
     from replicator.coordinator.recovery import Recoveries
     from replicator.coordinator.registry import NodeView
     from replicator.coordinator.reload_health import ReloadHealth
@@ -144,6 +145,9 @@ class AdminView(MetricsView, Protocol):
 
     @property
     def worker_tls(self) -> Mapping[int, messages.TlsLoaded]: ...
+
+    @property
+    def links(self) -> Links: ...
     def peer_seen(self) -> Mapping[str, float]: ...
 
     def revoked(self, identity: PeerIdentity) -> str | None: ...

@@ -181,6 +181,9 @@ ToWorker = (
 class Ready(msgspec.Struct, tag="ready", kw_only=True):
     worker: int
     pid: int
+    # The worker shares one link per peer URL (issue 23's link pool): setups to it over a live link, or while its
+    # dial is in flight, take no slot of the coordinator's ladder (`coordinator.links`). False: one dial per pair.
+    links: bool = False
 
 
 class BootFailed(msgspec.Struct, tag="boot_failed", kw_only=True):
@@ -215,6 +218,18 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", kw_only=True):
     rss_bytes: int
     counters: list[CounterDelta] = []  # increments since the previous heartbeat
     histograms: list[HistogramDelta] = []  # observations since the previous heartbeat
+
+
+class LinkState(msgspec.Struct, tag="link_state", kw_only=True):
+    """A worker's link to a peer (one multiplexed TLS connection per peer URL per worker, issue 23): sent `up` when
+    it is established and not `up` when it closes. The coordinator's ladder spaces the dials of links, not the
+    streams opened on them (`coordinator.links`)."""
+
+    worker: int
+    peer: str  # the peer's node name
+    key: str  # the connection key, as in Subscribe.key
+    up: bool
+    streams: int = 0  # streams (databases) the link carries
 
 
 class SubscribeAccepted(msgspec.Struct, tag="subscribe_accepted", kw_only=True):
@@ -388,6 +403,7 @@ ToCoordinator = (
     | BootFailed
     | TlsLoaded
     | Heartbeat
+    | LinkState
     | SubscribeAccepted
     | Connected
     | Disconnected
