@@ -185,7 +185,7 @@ class Worker:
                 await self._drain_pipe()
                 return EXIT_BOOT_ERROR
             self._booted.set()
-            self.report(messages.Ready(worker=self.worker_id, pid=os.getpid()))
+            self.report(messages.Ready(worker=self.worker_id, pid=os.getpid(), links=True))
             log.info("worker_ready", pid=os.getpid())
             if self._tls_generation != self._tls_presented:
                 self._apply_tls()  # a reload that arrived while the worker booted
@@ -359,10 +359,13 @@ class Worker:
         return link.LinkPool(dial, frame_limit=ctx.config.replication.max_frame_bytes, report=self._report_link)
 
     def _report_link(self, peer: str, key: str, up: bool, streams: int) -> None:
+        """A link of this worker's pool opened or ended: logged, and told the coordinator, whose ladder spaces the
+        dials of links and lets the streams on a live one go without a slot."""
         if up:
             log.info("connection_opened", peer=peer, worker=self.worker_id)
         else:
             log.info("connection_closed", peer=peer, worker=self.worker_id, streams=streams)
+        self.report(messages.LinkState(worker=self.worker_id, peer=peer, key=key, up=up, streams=streams))
 
     def _doorbell(self, directory: Path) -> Doorbell | None:
         """This worker's commit doorbell; without one, commits of the other processes reach its senders by the
