@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import struct
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -204,6 +205,8 @@ class Link:
         self._sending = asyncio.Lock()
         self.closed = False
         self.opened = 0  # streams opened over the link's life
+        self.key = ""  # the coordinator's connection key of a dialled link
+        self.dial_started = 0.0  # when its dial began (wall clock): the ladder spaces these
 
     @property
     def alive(self) -> bool:
@@ -332,15 +335,15 @@ class LinkPool:
     """A worker's dialled links, one per peer URL: `open(...)` gives a stream on the live link, on the dial in
     flight (concurrent subscriptions share one TLS handshake), or on a new one. A peer of the release before
     (protocol 2) answers a link dial with `wire.SUBPROTOCOL`: that socket is then the one subscription's own, as
-    before. `report(peer, key, up, streams)` is told when a link opens and ends (the coordinator's ladder spaces
-    TLS handshakes, not streams)."""
+    before. `report(link, up)` is told when a link opens and ends (the coordinator's ladder spaces TLS handshakes,
+    not streams)."""
 
     def __init__(
         self,
         dial: Callable[[str], Awaitable[Any]],
         *,
         frame_limit: int,
-        report: Callable[[str, str, bool, int], None],
+        report: Callable[[Link, bool], None],
         idle_grace: float = IDLE_GRACE,
     ) -> None:
         self._dial = dial  # url -> a WebSocket, dialled offering SUBPROTOCOL first
@@ -383,9 +386,10 @@ class LinkPool:
     async def _connect(self, peer: str, key: str, url: str) -> Any:
         """Dial `url`; a link's reader starts here, whether or not anyone still waits for it. Returns the socket
         when the peer answered without a link (`_unclaimed`), else None."""
+        started = time.time()
         ws = await self._dial(url)
         if getattr(ws, "protocol", None) == SUBPROTOCOL:  # the client socket's chosen subprotocol
-            self._start(peer, key, url, ws)
+            self._start(peer, key, url, ws).dial_started = started
             return None
         self._plain[url] = asyncio.get_running_loop().time()
         return ws
@@ -408,7 +412,9 @@ class LinkPool:
     def _start(self, peer: str, key: str, url: str, ws: Any) -> Link:
         link = Link(ws, peer=peer, frame_limit=self._frame_limit, dialled=True, on_idle=lambda _: self._idle_soon(url))
         self._links[url] = link
-        self._report(peer, key, True, 0)
+        link.key = key
+        loop = asyncio.get_running_loop()
+        loop.call_soon(self._report, link, True)  # once its dial_started is set
         reader = asyncio.get_running_loop().create_task(self._read(peer, key, url, link))
         self._readers.add(reader)
         reader.add_done_callback(self._readers.discard)
@@ -421,7 +427,7 @@ class LinkPool:
             if self._links.get(url) is link:
                 del self._links[url]
                 self._keep(url)
-            self._report(peer, key, False, link.opened)
+            self._report(link, False)
 
     def _idle_soon(self, url: str) -> None:
         self._keep(url)

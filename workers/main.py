@@ -358,14 +358,17 @@ class Worker:
 
         return link.LinkPool(dial, frame_limit=ctx.config.replication.max_frame_bytes, report=self._report_link)
 
-    def _report_link(self, peer: str, key: str, up: bool, streams: int) -> None:
+    def _report_link(self, dialled: link.Link, up: bool) -> None:
         """A link of this worker's pool opened or ended: logged, and told the coordinator, whose ladder spaces the
-        dials of links and lets the streams on a live one go without a slot."""
+        dials of links and lets the streams on a live one go without a slot. `dial_started` is when its TLS
+        setup began: the ladder's spacing, seen from outside."""
+        peer, key = dialled.peer, dialled.key
         if up:
-            log.info("connection_opened", peer=peer, worker=self.worker_id)
+            log.info("connection_opened", peer=peer, worker=self.worker_id, dial_started=round(dialled.dial_started, 6))
         else:
-            log.info("connection_closed", peer=peer, worker=self.worker_id, streams=streams)
-        self.report(messages.LinkState(worker=self.worker_id, peer=peer, key=key, up=up, streams=streams))
+            log.info("connection_closed", peer=peer, worker=self.worker_id, streams=dialled.opened)
+        state = messages.LinkState(worker=self.worker_id, peer=peer, key=key, up=up, streams=dialled.opened)
+        self.report(state)
 
     def _doorbell(self, directory: Path) -> Doorbell | None:
         """This worker's commit doorbell; without one, commits of the other processes reach its senders by the

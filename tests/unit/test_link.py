@@ -72,7 +72,7 @@ async def served() -> AsyncIterator[Callable[[Callable[[link.Stream], Any]], Any
             )
 
         pool = link.LinkPool(
-            dial, frame_limit=LIMIT, report=lambda p, k, up, n: reports.append((up, n)), idle_grace=0.2
+            dial, frame_limit=LIMIT, report=lambda dialled, up: reports.append((up, dialled.opened)), idle_grace=0.2
         )
         pool.url = f"http://127.0.0.1:{port}/replication"  # type: ignore[attr-defined]
         return peer, pool, reports
