@@ -133,6 +133,10 @@ class Stream:
             return False
         self.closed = True
         self.close_code = code
+        # As on a socket closed from this end: a receive waiting (a sender's, for the next ack) reads CLOSED and a
+        # send waiting for credit fails, so the session ends now, not when the peer answers.
+        self._deliver(WSMessage(WSMsgType.CLOSED, None, None))
+        self._credit_changed.set()
         if not self._ended:
             reason = message.decode(errors="replace")
             await self._link.send(frame(CLOSE, self.id, close_payload(code, reason)), quiet=True)

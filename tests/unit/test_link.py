@@ -247,3 +247,18 @@ async def test_a_peer_that_answers_without_a_link_gives_each_subscription_a_sock
             await ws.close()
         await pool.close()
     await runner.cleanup()
+
+
+async def test_closing_a_stream_from_this_end_ends_a_receive_and_a_send_waiting_on_it(served: Any) -> None:
+    _, pool, _ = await served(hold)
+    stream = await pool.open("b", "k", pool.url)
+    await asyncio.wait_for(stream.send_bytes(b"x" * LIMIT), 5)  # the whole credit: the next send waits
+    receiving = asyncio.get_running_loop().create_task(frames.receive(stream, 5))
+    sending = asyncio.get_running_loop().create_task(stream.send_bytes(b"y"))
+    await asyncio.sleep(0.05)
+    await frames.close(stream, wire.CLOSE_GOING_AWAY, "database deleted")
+    with pytest.raises(wire.PeerClosed):
+        await receiving
+    with pytest.raises(ConnectionResetError):
+        await sending
+    await pool.close()
