@@ -66,6 +66,14 @@ class OwnHistory(msgspec.Struct, frozen=True):
         return self.confirmed if self.recovering else max(self.confirmed, self.top)
 
     @property
+    def held(self) -> int:
+        """How far a peer must hold this origin complete to have seen every own version the file holds: its newest,
+        recovering or not (every own write since the floor is here, whatever peers have confirmed so far), or what
+        peers confirmed if that is higher. Not a promise to peers (`complete` is): what a damaged own row may have
+        replaced, which an older copy from a peer short of it would put back (`workers.antientropy.Round._takes`)."""
+        return max(self.confirmed, self.top)
+
+    @property
     def unknown(self) -> bool:
         """A file the node could not tell it held before, that no peer has finished serving yet (see above)."""
         return self.recovering and self.born > 0

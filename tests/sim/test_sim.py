@@ -63,7 +63,9 @@ FOUND_2 = [108, 232, 332, 683, 1179, 1185, 2525, 4987, 5583, 12695, 16894, 17030
 #         that held its marker, and removed, on every node, a write acknowledged before it
 #   51361 (the nemesis) a damaged row's only healthy copy was lost while a newer version covered it, one a deletion
 #         already covered: gone with its database, it left the damaged row the record's newest, never repaired
-FOUND_3 = [2161, 3603, 5492, 23991, 51361]
+#   52604 a recovering (unknown) file's damaged own row repaired with an older own version from a peer that was
+#         "complete" as far as the file's own origin counted (what peers confirmed: nothing), its newer write undone
+FOUND_3 = [2161, 3603, 5492, 23991, 51361, 52604]
 
 
 @pytest.mark.parametrize("name", sorted(scenarios.ALL))

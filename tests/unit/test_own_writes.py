@@ -42,6 +42,21 @@ def test_a_new_node_takes_its_first_files_as_unknown_not_lost(node: Store, clock
     assert db.put("t", "k", b"v") == clock.us
 
 
+def test_a_recovering_file_has_seen_its_own_writes_though_it_counts_them_complete_only_as_peers_confirm(
+    node: Store, clock: FakeClock
+) -> None:
+    db = node.database("d", create=True)
+    first = db.put("t", "k", b"v")
+    clock.advance(1)
+    newest = db.put("t", "k", b"w")
+    history = db.own_history()
+    # Promised to peers: nothing yet. Held: every own write since its floor (a damaged own row is judged by this).
+    assert history.recovering and history.complete == 0 and "a" not in db.progress()
+    assert history.held == newest > first
+    db.finish_recovery()
+    assert db.own_history().held == db.own_history().complete == newest
+
+
 def test_a_name_never_held_is_new_and_one_held_before_is_lost(node: Store, clock: FakeClock) -> None:
     _intact_system(node)
     fresh = node.database("fresh", create=True)
