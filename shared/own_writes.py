@@ -22,8 +22,8 @@ from another node): only peers can tell what that was, and while they have not a
                  taken for a write it never made (`may_have_written`: maybe), so no older value is reasserted
     regressed    a peer holds own writes complete above what the file accounts for, or below its birth: recovering,
                  the floor there; if the claim shows an earlier life (`OwnHistory.earlier_life`), what a new file
-                 wrote since its birth below it is written again above it (`this_life`), or no stream would carry it
-                 to the peers that count the node complete past it
+                 wrote since its birth below it is written again above it (`this_life`) once every peer has served
+                 (the recovery ends), or no stream would carry it to the peers that count the node complete past it
 
 Every judgement of "may this node have written this version?" is made here, from what the node knows it wrote
 itself, never from history that pruning or applied rows change:
@@ -64,6 +64,14 @@ class OwnHistory(msgspec.Struct, frozen=True):
     def complete(self) -> int:
         """Up to where this file holds every own write: all of them once not recovering, else what peers confirmed."""
         return self.confirmed if self.recovering else max(self.confirmed, self.top)
+
+    @property
+    def held(self) -> int:
+        """How far a peer must hold this origin complete to have seen every own version the file holds: its newest,
+        recovering or not (every own write since the floor is here, whatever peers have confirmed so far), or what
+        peers confirmed if that is higher. Not a promise to peers (`complete` is): what a damaged own row may have
+        replaced, which an older copy from a peer short of it would put back (`workers.antientropy.Round._takes`)."""
+        return max(self.confirmed, self.top)
 
     @property
     def unknown(self) -> bool:
@@ -214,34 +222,29 @@ def this_life(
     ]
 
 
-# An unknown file's writes again wait for the peer whose claim calls for them (meta `rewrite/<peer>`, the highest
-# claim), and each record written again is marked until the recovery ends (`rewritten/<[table, id]>` = "<the version
-# it was written again from> <the version it got>"). Both are local to the file, never replicated.
+# An unknown file's writes again wait for the end of its recovery (meta `rewrite/<peer>`, the highest claim of each
+# peer whose claim calls for them; `rewrite/` for an anti-entropy round's), and each record written again is marked
+# until the recovery ends (`rewritten/<[table, id]>` = "<the version it was written again from> <the version it
+# got>"). Both are local to the file, never replicated.
 _REWRITE = "rewrite/"
 _REWRITTEN = "rewritten/"
 
 
-def defer_rewrite(conn: sqlite3.Connection, peer: str, claimed: int) -> None:
-    """Inside a write transaction, in an unknown file: `peer` holds own writes complete up to `claimed`, and the
-    file's writes since birth at or below it are to be written again (`this_life`) once that peer has served the
-    node's own writes back (`take_rewrite`), not now. The peer may hold a newer version of one of them: the node's
-    own later delete or update, which a file restored from a backup of an unknown file lacks. Written again now, the
-    old value would reach the peer over the very session that carried the claim and replace it there."""
-    key = _REWRITE + peer
+def defer_rewrite(conn: sqlite3.Connection, peer: str | None, claimed: int) -> None:
+    """Inside a write transaction, in an unknown file: `peer` (None: an anti-entropy round) holds own writes complete
+    up to `claimed`, and the file's writes since birth at or below it are to be written again (`this_life`) once
+    every peer has served it (`take_rewrite`, when the recovery ends), not now. A peer may hold a newer version of one
+    of them: the node's own later delete or update, which a file restored from a backup of an unknown file lacks, or
+    another node's newer write or delete, which the claiming peer need not have (seed 56804 of nemesis 3: a delete
+    by c that only c and d held, cut off from b, whose claim called a write again above it). Written again before
+    it arrives, the old value would beat it on every node."""
+    key = _REWRITE + (peer or "")
     _set(conn, key, max(int(_meta(conn, key) or 0), claimed))
 
 
-def pending_rewrite(conn: sqlite3.Connection, peer: str) -> int:
-    return int(_meta(conn, _REWRITE + peer) or 0)
-
-
-def take_rewrite(conn: sqlite3.Connection, peer: str | None = None) -> int:
-    """Inside a write transaction: the claim whose writes again are due (0: none), no longer pending: `peer`'s
-    (it has served), or with None the highest of all (the recovery ends: every peer has served)."""
-    if peer is not None:
-        claimed = pending_rewrite(conn, peer)
-        conn.execute("DELETE FROM meta WHERE key = ?", (_REWRITE + peer,))
-        return claimed
+def take_rewrite(conn: sqlite3.Connection) -> int:
+    """Inside a write transaction, as the recovery ends (every peer has served): the highest claim whose writes
+    again are due (0: none), no longer pending."""
     claimed = conn.execute(
         "SELECT max(CAST(value AS INTEGER)) FROM meta WHERE substr(key, 1, ?) = ?", (len(_REWRITE), _REWRITE)
     ).fetchone()[0]
@@ -264,8 +267,8 @@ def note_rewritten(conn: sqlite3.Connection, rows: list[tuple[str, str, int, int
 def overridden(conn: sqlite3.Connection, node: str, entries: list[tuple[str, str, int]]) -> list[tuple[str, str, int]]:
     """Of a peer's (table, id, version) under this node's own origin, those that a write again beat wrongly: a
     version between the one written again and the one it got, while that one still stands. The peer holds the
-    node's own later write of the record from a life the file lacks (another peer's claim called the write again
-    before this one served): it is the newer own write, and must win."""
+    node's own later write of the record from a life the file lacks (a deletion's floor called the write again at
+    once, before that peer had served): it is the newer own write, and must win."""
     found = []
     for table, record_id, version in entries:
         mark = _meta(conn, _rewritten_key(table, record_id))

@@ -1179,8 +1179,9 @@ class Database:
         `by_deletion`: `claimed` is a deletion's floor for this node's origin (`drop_through` asks first); it counts
         only above this file's birth, since a file made after a deletion is born below its floors' reach.
 
-        `peer`: the peer whose claim it is. An unknown file writes again only once that peer has served the own
-        writes back (`served`, `own_writes.defer_rewrite`): it may hold newer versions of them."""
+        `peer`: the peer whose claim it is. An unknown file writes again only once every peer has served the own
+        writes back (`finish_recovery`, `own_writes.defer_rewrite`): one may hold newer versions of them, its node's
+        or another's."""
         # Every subscription asks; almost always the answer is no, and a read answers it without taking the write
         # lock. The write transaction asks again, since another process may have moved first.
         history = self.own_history()
@@ -1196,32 +1197,20 @@ class Database:
                 self._set_clock(conn, claimed)
             if not by_deletion and not before.earlier_life(claimed):
                 pass  # the peer got what it holds of ours from this file: nothing to write again
-            elif peer is not None and not by_deletion:
+            elif not by_deletion:
                 own_writes.defer_rewrite(conn, peer, claimed)
             else:
                 # A deletion's drop would take them at their old versions: written again before it is applied.
                 self._restamp(conn, own_writes.this_life(conn, self._node, before, claimed), claimed)
             return True
 
-    def served(self, peer: str, asked: int) -> int:
-        """A session with `peer` that asked for this node's own writes up to `asked` caught up: the writes again its
-        claim called for (`regress`, `_earlier_life`) are due now. Returns how many were written again."""
-        with self._read() as conn:
-            pending = own_writes.pending_rewrite(conn, peer)
-        if not pending or asked < pending:
-            return 0
-        with self._write() as conn:
-            claimed = own_writes.take_rewrite(conn, peer)
-            history = own_writes.read(conn, self._node)
-            return self._restamp(conn, own_writes.this_life(conn, self._node, history, claimed), claimed)
-
     def _earlier_life(self, conn: sqlite3.Connection, mine: list[Entry], peer: str | None) -> None:
         """Versions of this node's own origin that a peer sent, in an unknown file: any this file did not
         write itself is from the node's earlier life, and its own writes since its birth that lie below it would be
-        below what peers count this node complete for, never to be sent them: they are written again above it, once
-        the sending peer has served (`served`: it may send newer versions of them yet). One newer than a record's
-        version written again, though, is the node's own later write that the file lacks (`own_writes.overridden`):
-        it is written again itself, above the one that beat it."""
+        below what peers count this node complete for, never to be sent them: they are written again above it once
+        every peer has served (`finish_recovery`: one may send newer versions of them yet, its node's or another's).
+        One newer than a record's version written again, though, is the node's own later write that the file lacks
+        (`own_writes.overridden`): it is written again itself, above the one that beat it."""
         history = own_writes.read(conn, self._node)
         if not history.unknown:
             return
@@ -1237,10 +1226,8 @@ class Database:
         for table, claims in by_table.items():
             wrote = own_writes.written(conn, self._node, table, [record_id for record_id, _ in claims])
             earlier = max([earlier, *(version for record_id, version in claims if (record_id, version) not in wrote)])
-        if earlier and peer is not None:
+        if earlier:
             own_writes.defer_rewrite(conn, peer, earlier)
-        elif earlier:
-            self._restamp(conn, own_writes.this_life(conn, self._node, history, earlier), earlier)
 
     def _restamp(self, conn: sqlite3.Connection, rows: list[tuple[str, str, bytes, int, int]], claimed: int) -> int:
         """Write `rows` (table, id, value, tombstone, the version it had) again as this node's own, above `claimed`

@@ -355,6 +355,9 @@ class Round:
         }
         peer = await self._holder_state()
         here = Holder(self._db.progress(), self._db.purged())
+        # What this node has seen, by origin, for the damaged rows (`_takes`): its own origin as far as the file holds
+        # its own writes, which a recovering file's complete (what peers confirmed) falls short of.
+        seen = {**here.complete, self._db.node: max(here.complete.get(self._db.node, 0), self._db.own_history().held)}
         pull: list[str] = []
         gone: list[tuple[str, int, str]] = []  # rows of ours the peer shows were deleted and purged
         claims: list[tuple[str, int, str]] = []  # (id, version, kind): a peer's row under our origin to judge
@@ -377,7 +380,7 @@ class Round:
             kind = self._claim(their_row, our_row)
             if kind is not None:
                 claims.append((record_id, their_row[0], kind))
-            elif their_row[3] is not None and self._takes(their_row, our_row, peer, here):
+            elif their_row[3] is not None and self._takes(their_row, our_row, peer, seen):
                 pull.append(record_id)
         forged: list[tuple[str, int]] = []
         if claims:
@@ -399,17 +402,20 @@ class Round:
             self.result.repaired += removed
             await self._pace(removed)
 
-    def _takes(self, theirs: Summary, ours: Summary | None, peer: Holder | None, here: Holder) -> bool:
+    def _takes(self, theirs: Summary, ours: Summary | None, peer: Holder | None, seen: dict[str, int]) -> bool:
         """Does the peer's healthy row replace ours: ours is absent, or theirs wins last-writer-wins? A damaged row
         of ours says nothing it can be trusted for (the damage may have changed its version or origin too), so an
-        older-looking copy replaces it only from a peer that has seen everything this node has (complete, for every
-        origin, at least as far): a peer lagging behind would otherwise put back a version older than the one this
-        node's positions promise, a delete undone among them. It waits for such a peer."""
+        older-looking copy replaces it only from a peer that has seen everything this node has (`seen`: complete,
+        for every origin, at least as far; for this node's own origin as far as the file holds its own writes,
+        `OwnHistory.held`, even while it recovers and counts complete only what peers confirmed): a peer lagging
+        behind would otherwise put back a version older than the one this node's positions promise, a delete
+        undone among them, or an own write the node made before its recovery ended (sim seed 52604 of nemesis 3).
+        It waits for such a peer."""
         if ours is None or _wins(theirs, ours):
             return True
         if ours[3] is not None or peer is None:
             return False
-        return all(peer.complete.get(origin, 0) >= mark for origin, mark in here.complete.items())
+        return all(peer.complete.get(origin, 0) >= mark for origin, mark in seen.items())
 
     def _forged(self, table: str, claims: list[tuple[str, int, str]]) -> set[tuple[str, int]]:
         """The claims (a peer's row under this node's origin) that this node provably never wrote, as its own

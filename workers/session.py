@@ -636,7 +636,6 @@ class PeerSession:
             if message.caught_up:
                 self.last_received_seq = self.peer_head_seq = message.head_seq
                 self.lag_seconds = 0.0
-                self._served(db)
             else:
                 self.peer_head_seq = max(message.head_seq, self.last_received_seq + 1)
                 if message.entries:
@@ -646,19 +645,6 @@ class PeerSession:
                 self._note_heads(db)
             # Reaching or leaving the caught-up state is reported at once: routing and recovery wait on it.
             self._report_progress(session, force=(message.caught_up, message.recovering) != was)
-
-    def _served(self, db: Any) -> None:
-        """Caught up: the peer has served our own writes as far as the session asked, and the writes again of an
-        unknown file that its claim called for are due (`Database.served`). One the store cannot make now stays
-        pending: the next catch-up, or the end of the recovery, makes it."""
-        if not isinstance(db, Database):
-            return
-        try:
-            db.served(self.peer, self._own_upto)
-        except (sqlite3.OperationalError, OSError) as exc:
-            log.warning(
-                "commit_retry", peer=self.peer, database=self.database, error=str(exc)[:200], sample_by=("database",)
-            )
 
     async def _commit(self, db: Any, entries: list[wire.Entry], marks: dict[str, int]) -> int:
         """Apply one batch and its marks in one transaction; when the store cannot commit (busy past its timeout,

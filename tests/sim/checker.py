@@ -11,7 +11,8 @@ Checks (a violation is a string naming the node, the record and what is wrong):
                    below: the node holds the record at that version or newer, or a deletion of it it was promised
                    (then purged), or a deletion of the database covers it, or a newer version of the record from
                    another origin supersedes it, whose own origin's position here has not reached it yet (the
-                   promise waits on that origin's stream) (invariant 13)
+                   promise waits on that origin's stream), or it is a wiped node's write below its earlier life's
+                   versions, to be written again above them when its file's recovery ends (invariant 13)
     deletions      a database deletion covers only writes acknowledged before it was asked for (invariant 20)
     final          after healing, every node holds the newest acknowledged operation of every record that no fault
                    took, unless a deletion of the database covers it: a write at its version (or newer), a delete
@@ -180,6 +181,7 @@ class Ledger:
             # What a deletion covers no longer exists, wherever the marker has reached by now.
             floors = db.dropped_floor.merge(self.covering(database))
             rows = node.rows(database)
+            pending: dict[str, tuple[int, dict[tuple[str, str], tuple[int, str, bool]]]] = {}
             for (name, table, record_id), ops in self.ops.items():
                 if name != database:
                     continue
@@ -188,6 +190,8 @@ class Ledger:
                     origin = op.node
                     if op.lost or op.version > complete.get(origin, 0) or floors.covers(origin, op.version):
                         continue
+                    if _rewrite_pending(cluster, database, table, record_id, op, pending):
+                        continue  # below an earlier life's versions, to be written again above them (the checker)
                     if _holds(row, op) or (row is None and (op.value is None or _purged_delete(ops, op, complete))):
                         continue  # held, superseded, or deleted (a delete's tombstone purged is still a delete)
                     if _superseded_elsewhere(ops, op, complete) or _superseded_then_deleted(ops, op, floors):
@@ -296,6 +300,28 @@ def _written_above(
         f"{where} written at {op.version} by {op.node}, replaced at {row[0]} by {row[1]} with"
         f" {'a tombstone' if held is None else 'another value'} (the write lost)"
     )
+
+
+def _rewrite_pending(
+    cluster: Cluster,
+    database: str,
+    table: str,
+    record_id: str,
+    op: Op,
+    cache: dict[str, tuple[int, dict[tuple[str, str], tuple[int, str, bool]]]],
+) -> bool:
+    """Is `op` a write of an unknown file (a wiped node's) that lies at or below a claim showing its node's earlier
+    life, still held there at its version, to be written again above the claim when the file's recovery ends
+    (`shared.own_writes.defer_rewrite`)? A peer's position from that earlier life covers it meanwhile, and cannot
+    hold it: the node wrote it below versions it had written before. The write again is what keeps the promise
+    (checked again once it is made); until every peer has served, it would beat newer versions the node lacks."""
+    if op.node not in cache:
+        writer = cluster.nodes[op.node]
+        claimed = writer.rewrite_pending(database)
+        cache[op.node] = (claimed, writer.rows(database) if claimed else {})
+    claimed, rows = cache[op.node]
+    row = rows.get((table, record_id))
+    return op.version <= claimed and row is not None and (row[0], row[1]) == (op.version, op.node)
 
 
 def _holds(row: tuple[int, str, bool] | None, op: Op) -> bool:

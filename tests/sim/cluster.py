@@ -411,6 +411,28 @@ class SimNode:
                 return {}
         return held
 
+    def rewrite_pending(self, database: str) -> int:
+        """The highest claim whose writes again the node's unknown file of `database` has pending until its recovery
+        ends (`shared.own_writes.defer_rewrite`; 0: none), read behind the store's back."""
+        path = self.dir / f"{database}.sqlite"
+        if not path.exists():
+            return 0
+        query = "SELECT max(CAST(value AS INTEGER)) FROM meta WHERE substr(key, 1, 8) = 'rewrite/'"
+        if self.store is not None:
+            try:
+                db = self.store.database(database)
+            except (UnknownDatabase, DatabaseRemoving):
+                return 0
+            with db._lock:
+                found = db._conn.execute(query).fetchone()
+        else:
+            with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
+                try:
+                    found = conn.execute(query).fetchone()
+                except sqlite3.Error:
+                    return 0
+        return int(found[0] or 0)
+
     def value(self, database: str, table: str, record_id: str) -> bytes | None:
         """A record's value as the node holds it (None: absent or a tombstone), read behind the store's back."""
         path = self.dir / f"{database}.sqlite"
@@ -523,9 +545,6 @@ class Session:
                 self.refused_below,
             )
         self.target.apply_batch(entries, marks, peer=self.sender.name)
-        if caught_up and isinstance(self.target, Database):
-            # Caught up: the sender has served our own writes as far as the session asked (`Database.served`).
-            self.target.served(self.sender.name, self.own_upto)
         # The ack: the sender learns what the subscriber holds now.
         holds = self.sender.peer_holds.setdefault((self.database, sub.name), {})
         for origin, mark in marks.items():

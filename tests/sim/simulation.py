@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from replicator.shared import dropped, membership
+from replicator.shared.deletion import DeletionFloors
 from replicator.shared.logs import log
 from replicator.shared.store import SYSTEM, DamagedRecord, Database, DatabaseRemoving, UnknownDatabase, mark_restored
 from replicator.workers.dropped import DroppedDatabase
@@ -426,21 +427,36 @@ class Simulation:
         version that superseded it (were that one lost, the damaged version would be the record's newest again)?
         Then losing its files would leave a damage no repair can undo (the data API answers 503 for that record
         until it is written again), which the nemesis does not combine."""
-        for holder, database, table, record_id, version, origin in sorted(self.damaged):
-            held = self.cluster.nodes[holder].rows(database).get((table, record_id))
+        return any(covers == [node] for covers in self._covers().values())
+
+    def _covers(self, extra: DeletionFloors | None = None, database: str | None = None) -> dict[tuple, list[SimNode]]:
+        """For every row the nemesis damaged that no deletion covers, the nodes that hold a healthy copy of it or a
+        newer version of its record that no deletion covers either: a covered newer version goes with its database
+        and gives way to the damaged one (`drop_through` restores the newest uncovered version, seed 51361).
+        `extra`: the floors of a deletion of `database` not asked for yet."""
+        found: dict[tuple, list[SimNode]] = {}
+        for damaged in sorted(self.damaged):
+            holder, name, table, record_id, version, origin = damaged
+            held = self.cluster.nodes[holder].rows(name).get((table, record_id))
             if held is None or held[:2] != (version, origin):
-                self.damaged.discard((holder, database, table, record_id, version, origin))
+                self.damaged.discard(damaged)
                 continue  # replaced since
-            healthy = [
+            if self._doomed(name, origin, version, extra if name == database else None):
+                continue  # it goes with its database
+            found[damaged] = [
                 other
                 for other in self.cluster
-                if other.name not in (holder,)
-                and other.rows(database).get((table, record_id), (0, "", False))[:2] >= (version, origin)
-                and (other.name, database, table, record_id, version, origin) not in self.damaged
+                if other.name != holder
+                and (row := other.rows(name).get((table, record_id), (0, "", False)))[:2] >= (version, origin)
+                and (other.name, name, table, record_id, *row[:2]) not in self.damaged
+                and not self._doomed(name, row[1], row[0], extra if name == database else None)
             ]
-            if healthy == [node]:
-                return True
-        return False
+        return found
+
+    def _doomed(self, database: str, origin: str, version: int, extra: DeletionFloors | None = None) -> bool:
+        """Does a deletion of `database` whose marker lives cover (origin, version)?"""
+        floors = [each.floors for each in self.ledger.deletions if each.database == database and not each.lost]
+        return any(floor.covers(origin, version) for floor in [*floors, *([extra] if extra is not None else [])])
 
     def _wipe(self) -> bool:
         down = [
@@ -544,6 +560,8 @@ class Simulation:
         except (UnknownDatabase, DatabaseRemoving):
             return False
         floors = dropped.seen(held)
+        if any(not covers for covers in self._covers(DeletionFloors(origins=floors), name).values()):
+            return False  # it would take the last cover of a damaged row (see `_only_healthy_copy`)
         marker = dropped.write(node.store.database(SYSTEM), name, requested_by=node.name, at=node.wall(), floors=floors)
         covered = node.store.dropped_floor(name)
         self.ledger.deletions.append(Deletion(name, node.name, covered, self.step, marker))

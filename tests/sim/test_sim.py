@@ -61,7 +61,13 @@ FOUND_2 = [108, 232, 332, 683, 1179, 1185, 2525, 4987, 5583, 12695, 16894, 17030
 #         wrote it again above (`this_life`), which the checker, ordering the two by version, called a lost write
 #   23991 (the checker) a deletion counted lost with the node's wiped system database came back with a backup
 #         that held its marker, and removed, on every node, a write acknowledged before it
-FOUND_3 = [2161, 3603, 5492, 23991]
+#   51361 (the nemesis) a damaged row's only healthy copy was lost while a newer version covered it, one a deletion
+#         already covered: gone with its database, it left the damaged row the record's newest, never repaired
+#   52604 a recovering (unknown) file's damaged own row repaired with an older own version from a peer that was
+#         "complete" as far as the file's own origin counted (what peers confirmed: nothing), its newer write undone
+#   56804 a wiped node's new file wrote its write of a record again (`this_life`) once the peer whose claim showed its
+#         earlier life had served, above another node's later delete that peer lacked: the delete undone everywhere
+FOUND_3 = [2161, 3603, 5492, 23991, 51361, 52604, 56804]
 
 
 @pytest.mark.parametrize("name", sorted(scenarios.ALL))

@@ -189,6 +189,31 @@ def test_damage_on_the_serving_side_is_not_served(nodes: Nodes) -> None:
     assert nodes.a.get("t", "k1").value == _v("value 1")
 
 
+def test_a_recovering_files_damaged_own_row_is_not_replaced_by_an_older_own_version(tmp_path: Path) -> None:
+    """Sim seed 52604 of nemesis 3: a recovering file counts its own origin complete only as far as peers confirmed
+    (nothing yet), but it holds every own write it made: a peer short of its newest own write is not one that has
+    seen everything it has, and its older copy must not undo the newer write."""
+    clock = FakeClock()
+    a = Store(tmp_path / "a", "a", clock=clock, synchronous="OFF").database("d", create=True)
+    b = Store(tmp_path / "b", "b", clock=clock, synchronous="OFF").database("d", create=True)
+    assert a.recovering and "a" not in a.progress()
+    a.put("t", "k", _v("older"))
+    b.apply_batch(a.origin_entries("a", 0, 10**9), {})
+    b.finish_recovery()
+    clock.advance(1)
+    newer = a.put("t", "k", _v("newer"))
+    _sql(a, "UPDATE records SET value = X'00' WHERE id = 'k'")
+    _scrub(a)
+    assert _round(a, b).repaired == 0
+    with pytest.raises(DamagedRecord):
+        a.get("t", "k")
+    # Once b holds a's origin past a's newest own write (it has a's newer writes, or something newer of k), its copy
+    # is what there is.
+    b.apply_batch([], {"a": newer})
+    assert _round(a, b).repaired == 1
+    assert a.get("t", "k").value == _v("older")
+
+
 def test_repairs_are_paced(nodes: Nodes) -> None:
     nodes.write(400)
     _sql(nodes.b, "DELETE FROM records WHERE id LIKE 'k1%'")  # 111 records
