@@ -7,21 +7,27 @@ file, so only the code under test differs, not the measurement.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib
 import json
 import os
+import resource
 import subprocess
 import sys
 import tarfile
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
+import aiohttp
 import psutil
 
 REPO = Path(__file__).resolve().parent.parent
+FDS_WANTED = 65536
 
 
 def use_code(code: Path, module: str = "coordinator.local_cluster") -> ModuleType:
@@ -42,6 +48,14 @@ def use_code(code: Path, module: str = "coordinator.local_cluster") -> ModuleTyp
     if not origin.is_relative_to(code):
         raise RuntimeError(f"{module} came from {origin}, not from {code}")
     return loaded
+
+
+def raise_fd_limit() -> None:
+    """Every node inherits this process's limit: 1,000 databases are 3,000 files per worker, and sessions on top."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = FDS_WANTED if hard == resource.RLIM_INFINITY else min(FDS_WANTED, hard)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
 def git(*args: str) -> str:
@@ -139,3 +153,90 @@ def helper_role(process: psutil.Process) -> str | None:
     except psutil.Error:
         return None
     return next((role for marker, role in HELPER_ROLES.items() if marker in label), "other")
+
+
+# -- what a node shows (its /status and its processes) ------------------------------------------------------
+
+
+def missing_pairs(status: dict[str, Any], wanted: dict[str, list[str]]) -> list[str]:
+    """The pairs of `wanted` (peer -> databases) that the node's /status does not show connected."""
+    connections = {c["peer"]: c for c in status.get("connections", [])}
+    missing = []
+    for peer, databases in wanted.items():
+        found = {d["database"]: d["connected"] for d in connections.get(peer, {}).get("databases", [])}
+        missing.extend(f"{peer}/{d}" for d in databases if not found.get(d))
+    return missing
+
+
+async def wait_connected(
+    cluster: Any, wanted: dict[str, dict[str, list[str]]], timeout: float, poll: float, holds: Iterable[str] = ()
+) -> tuple[float, dict[str, dict[str, Any]]]:
+    """Poll /status of every node until each shows all its wanted pairs connected (and, given `holds`, holds each of
+    those databases); (when, the last documents)."""
+    held = set(holds)
+    deadline = time.monotonic() + timeout
+    documents: dict[str, dict[str, Any]] = {}
+    while True:
+        left: list[str] = []
+        for name, pairs in wanted.items():
+            try:
+                status, body = await cluster.admin(name, "/status")
+            except (aiohttp.ClientError, OSError, TimeoutError):  # a node (re)starting: its admin port not yet up
+                status, body = 0, {}
+            documents[name] = body if status == 200 else {}
+            left.extend(f"{name}->{pair}" for pair in missing_pairs(documents[name], pairs))
+            left.extend(f"{name} holds no {d}" for d in sorted(held - set(documents[name].get("holds", []))))
+        if not left:
+            return time.time(), documents
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(left)} pairs not connected after {timeout} s, e.g. {left[:5]}")
+        await asyncio.sleep(poll)
+
+
+def first_connected(node: Any, wanted: dict[str, list[str]]) -> dict[tuple[str, str], float]:
+    """When each wanted (peer, database) first logged `session_connected` on the node."""
+    want = {(peer, database) for peer, databases in wanted.items() for database in databases}
+    first: dict[tuple[str, str], float] = {}
+    for event in node.events("session_connected"):
+        pair = (event.get("peer"), event.get("database"))
+        if pair in want and pair not in first:
+            first[pair] = event["ts"]
+    return first
+
+
+def node_processes(node: Any, status: dict[str, Any]) -> dict[str, psutil.Process]:
+    """The node's processes by role: the coordinator, each worker (by the pids /status gives), any other child."""
+    root = psutil.Process(node.process.pid)
+    workers = {w["pid"]: f"worker{w['id']}" for w in status.get("workers", []) if w.get("pid")}
+    found = {"coordinator": root}
+    for child in sorted(root.children(recursive=True), key=lambda p: p.pid):
+        role = workers.get(child.pid)
+        if role is None:
+            kind = helper_role(child)
+            if kind is None:
+                continue
+            role = f"{kind}{child.pid}"
+        found[role] = child
+    return found
+
+
+async def idle_cpu(nodes: dict[str, dict[str, psutil.Process]], seconds: float) -> dict[str, Any]:
+    """Percent of one core each process used over `seconds` with nothing written."""
+    before = {name: cpu_seconds(found) for name, found in nodes.items()}
+    own_before = psutil.Process().cpu_times()
+    started = time.monotonic()
+    await asyncio.sleep(seconds)
+    elapsed = time.monotonic() - started
+    after = {name: cpu_seconds(found) for name, found in nodes.items()}
+    own_after = psutil.Process().cpu_times()
+    figures: dict[str, Any] = {"seconds": round(elapsed, 2)}
+    for name in nodes:
+        shares = {
+            role: round(100 * (after[name][role] - before[name][role]) / elapsed, 2)
+            for role in before[name]
+            if role in after[name]
+        }
+        figures[name] = {"core_percent": shares, "total_core_percent": round(sum(shares.values()), 2)}
+    own = (own_after.user + own_after.system) - (own_before.user + own_before.system)
+    figures["benchmark_process_core_percent"] = round(100 * own / elapsed, 2)
+    return figures

@@ -62,7 +62,6 @@ import itertools
 import json
 import os
 import random
-import resource
 import shutil
 import signal
 import sqlite3
@@ -89,7 +88,6 @@ HOST = "127.0.0.1"
 SYSTEM = "system"
 TABLE = "load"
 MAX_FRAME = 16 * 1024 * 1024
-FDS_WANTED = 65536
 
 
 class Tree:
@@ -109,14 +107,6 @@ def _module(name: str) -> ModuleType:
     return importlib.import_module(f"replicator.{name}")
 
 
-def raise_fd_limit() -> None:
-    """Every node inherits this process's limit: 1,000 databases are 3,000 files per worker, and sessions on top."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = FDS_WANTED if hard == resource.RLIM_INFINITY else min(FDS_WANTED, hard)
-    if soft != resource.RLIM_INFINITY and soft < wanted:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
-
-
 async def limited(calls: Iterable[Callable[[], Awaitable[Any]]], concurrency: int) -> list[Any]:
     gate = asyncio.Semaphore(concurrency)
 
@@ -128,46 +118,6 @@ async def limited(calls: Iterable[Callable[[], Awaitable[Any]]], concurrency: in
 
 
 # -- what a node shows -------------------------------------------------------------------------------------------
-
-
-def missing_pairs(status: dict[str, Any], wanted: dict[str, list[str]]) -> list[str]:
-    """The pairs of `wanted` (peer -> databases) that the node's /status does not show connected."""
-    connections = {c["peer"]: c for c in status.get("connections", [])}
-    missing = []
-    for peer, databases in wanted.items():
-        found = {d["database"]: d["connected"] for d in connections.get(peer, {}).get("databases", [])}
-        missing.extend(f"{peer}/{d}" for d in databases if not found.get(d))
-    return missing
-
-
-async def wait_connected(
-    cluster: Any, wanted: dict[str, dict[str, list[str]]], timeout: float, poll: float
-) -> tuple[float, dict[str, dict[str, Any]]]:
-    """Poll /status of every node until each shows all its wanted pairs connected; (when, the last documents)."""
-    deadline = time.monotonic() + timeout
-    documents: dict[str, dict[str, Any]] = {}
-    while True:
-        left: list[str] = []
-        for name, pairs in wanted.items():
-            status, body = await cluster.admin(name, "/status")
-            documents[name] = body if status == 200 else {}
-            left.extend(f"{name}->{pair}" for pair in missing_pairs(documents[name], pairs))
-        if not left:
-            return time.time(), documents
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{len(left)} pairs not connected after {timeout} s, e.g. {left[:5]}")
-        await asyncio.sleep(poll)
-
-
-def first_connected(node: Any, wanted: dict[str, list[str]]) -> dict[tuple[str, str], float]:
-    """When each wanted (peer, database) first logged `session_connected` on the node."""
-    want = {(peer, database) for peer, databases in wanted.items() for database in databases}
-    first: dict[tuple[str, str], float] = {}
-    for event in node.events("session_connected"):
-        pair = (event.get("peer"), event.get("database"))
-        if pair in want and pair not in first:
-            first[pair] = event["ts"]
-    return first
 
 
 def spacing(times: list[float]) -> dict[str, Any]:
@@ -189,22 +139,6 @@ def dispatch_spacing(node: Any, start: float, end: float) -> dict[str, Any]:
     return spacing([e["ts"] for e in events if start <= e["ts"] <= end])
 
 
-def node_processes(node: Any, status: dict[str, Any]) -> dict[str, psutil.Process]:
-    """The node's processes by role: the coordinator, each worker (by the pids /status gives), any other child."""
-    root = psutil.Process(node.process.pid)
-    workers = {w["pid"]: f"worker{w['id']}" for w in status.get("workers", []) if w.get("pid")}
-    found = {"coordinator": root}
-    for child in sorted(root.children(recursive=True), key=lambda p: p.pid):
-        role = workers.get(child.pid)
-        if role is None:
-            kind = harness.helper_role(child)
-            if kind is None:
-                continue
-            role = f"{kind}{child.pid}"
-        found[role] = child
-    return found
-
-
 def memory_figures(tree: Tree, processes: dict[str, psutil.Process]) -> dict[str, Any]:
     rss: dict[str, int] = {}
     pss: dict[str, int] = {}
@@ -221,28 +155,6 @@ def memory_figures(tree: Tree, processes: dict[str, psutil.Process]) -> dict[str
         "rss_total_mib": round(sum(rss.values()) / mib, 1),
         "pss_total_mib": round(sum(pss.values()) / mib, 1),
     }
-
-
-async def idle_cpu(nodes: dict[str, dict[str, psutil.Process]], seconds: float) -> dict[str, Any]:
-    """Percent of one core each process used over `seconds` with nothing written."""
-    before = {name: harness.cpu_seconds(found) for name, found in nodes.items()}
-    own_before = psutil.Process().cpu_times()
-    started = time.monotonic()
-    await asyncio.sleep(seconds)
-    elapsed = time.monotonic() - started
-    after = {name: harness.cpu_seconds(found) for name, found in nodes.items()}
-    own_after = psutil.Process().cpu_times()
-    figures: dict[str, Any] = {"seconds": round(elapsed, 2)}
-    for name in nodes:
-        shares = {
-            role: round(100 * (after[name][role] - before[name][role]) / elapsed, 2)
-            for role in before[name]
-            if role in after[name]
-        }
-        figures[name] = {"core_percent": shares, "total_core_percent": round(sum(shares.values()), 2)}
-    own = (own_after.user + own_after.system) - (own_before.user + own_before.system)
-    figures["benchmark_process_core_percent"] = round(100 * own / elapsed, 2)
-    return figures
 
 
 async def applied_total(cluster: Any, name: str, peer: str) -> float:
@@ -368,7 +280,7 @@ async def two_nodes(tree: Tree, options: argparse.Namespace) -> dict[str, Any]:
         try:
             await cluster.wait_ready(timeout=120)
             status = {name: (await cluster.admin(name, "/status"))[1] for name in ("a", "b")}
-            profiler.start("setup-a", node_processes(cluster["a"], status["a"]))
+            profiler.start("setup-a", harness.node_processes(cluster["a"], status["a"]))
             started = time.time()
 
             async def create(index: int, database: str) -> None:
@@ -379,7 +291,7 @@ async def two_nodes(tree: Tree, options: argparse.Namespace) -> dict[str, Any]:
 
             await limited([lambda i=i, d=d: create(i, d) for i, d in enumerate(names)], options.clients)
             created = time.time()
-            observed, status = await wait_connected(cluster, wanted, options.timeout, options.poll)
+            observed, status = await harness.wait_connected(cluster, wanted, options.timeout, options.poll)
             profiler.stop()
             connect: dict[str, Any] = {
                 "pairs_per_node": count + 1,
@@ -388,14 +300,14 @@ async def two_nodes(tree: Tree, options: argparse.Namespace) -> dict[str, Any]:
             }
             dispatch = {}
             for name in ("a", "b"):
-                first = first_connected(cluster[name], wanted[name])
+                first = harness.first_connected(cluster[name], wanted[name])
                 connect[name] = round(max(first.values()) - started, 3) if len(first) == count + 1 else None
                 dispatch[name] = dispatch_spacing(cluster[name], started, observed)
             await asyncio.sleep(options.settle)
-            processes = {name: node_processes(cluster[name], status[name]) for name in ("a", "b")}
+            processes = {name: harness.node_processes(cluster[name], status[name]) for name in ("a", "b")}
             memory = {name: memory_figures(tree, found) for name, found in processes.items()}
             profiler.start("idle-a", processes["a"])
-            idle = await idle_cpu(processes, options.idle_seconds)
+            idle = await harness.idle_cpu(processes, options.idle_seconds)
             profiler.stop()
             throughput: dict[str, Any] = {"records": options.records}
             if options.records:
@@ -664,14 +576,14 @@ async def fifty_peers(tree: Tree, options: argparse.Namespace) -> dict[str, Any]
         try:
             await cluster.wait_ready(timeout=120)
             status = (await cluster.admin("n", "/status"))[1]
-            profiler.start("setup-n", node_processes(cluster["n"], status))
+            profiler.start("setup-n", harness.node_processes(cluster["n"], status))
             started = time.time()
             for peer in fleet.peers.values():
                 code, body = await cluster.admin_request("n", "PUT", f"/nodes/{peer.name}", {"url": peer.url})
                 if code != 200:
                     raise RuntimeError(f"introducing {peer.name} answered {code}: {body}")
             fleet.follow()
-            observed, documents = await wait_connected(cluster, wanted, options.timeout, options.poll)
+            observed, documents = await harness.wait_connected(cluster, wanted, options.timeout, options.poll)
             status = documents["n"]
             streams = len(every) + count
             deadline = time.monotonic() + options.timeout
@@ -680,7 +592,7 @@ async def fifty_peers(tree: Tree, options: argparse.Namespace) -> dict[str, Any]
                     raise TimeoutError(f"{streams - len(fleet.first_streaming)} peer subscriptions never streamed")
                 await asyncio.sleep(options.poll)
             profiler.stop()
-            first = first_connected(cluster["n"], wanted["n"])
+            first = harness.first_connected(cluster["n"], wanted["n"])
             pairs = len(every) + count
             connect = {
                 "pairs": pairs,
@@ -692,11 +604,11 @@ async def fifty_peers(tree: Tree, options: argparse.Namespace) -> dict[str, Any]
             }
             dispatch = {"n": dispatch_spacing(cluster["n"], started, observed)}
             await asyncio.sleep(options.settle)
-            processes = {"n": node_processes(cluster["n"], status)}
+            processes = {"n": harness.node_processes(cluster["n"], status)}
             memory = {"n": memory_figures(tree, processes["n"])}
             memory["benchmark_process_rss_mib"] = round(psutil.Process().memory_info().rss / 2**20, 1)
             profiler.start("idle-n", processes["n"])
-            idle = await idle_cpu(processes, options.idle_seconds)
+            idle = await harness.idle_cpu(processes, options.idle_seconds)
             profiler.stop()
             throughput: dict[str, Any] = {"records": options.records}
             if options.records:
@@ -765,7 +677,7 @@ def scenarios(options: argparse.Namespace) -> list[str]:
 
 
 async def measure(options: argparse.Namespace) -> dict[str, Any]:
-    raise_fd_limit()
+    harness.raise_fd_limit()
     tree = Tree(options.code.resolve())
     results: dict[str, Any] = {"code": str(tree.code)}
     for scenario in scenarios(options):

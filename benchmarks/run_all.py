@@ -155,6 +155,24 @@ BENCHES = [
             "targets_met.scrape_s",
         ],
     ),
+    Bench(
+        "links",
+        "links.py",
+        "1,000 databases between 3 nodes: connections per worker and peer, PSS per idle database, idle CPU, restart",
+        quick=["--databases", "100", "--idle-seconds", "5"],
+        headline=[
+            "connections_max_per_worker",
+            "connections_max_per_direction",
+            "pss_per_database_mib",
+            "idle_core_percent_max",
+            "restart_s",
+            "restart_log_s",
+            "restart.connection_opened",
+            "targets_met.restart_s",
+            "targets_met.connections_per_worker",
+            "targets_met.pss_per_database",
+        ],
+    ),
 ]
 
 
