@@ -141,7 +141,9 @@ async def test_delete_database_command_and_refusals(make_cluster) -> None:  # ty
         assert status == 200 and body["floors"]["a"] == z["version"] > first.get("a", 0), (body, first)
         await wait_for(lambda: _all_removed(cluster, "oops", ["a", "b"]), 60, "oops removed again")
 
-        token = ("--token", cluster.admin_token)  # the admin token, given on the command line this time
+        # The admin token, given on the command line this time; as one argument, since a random token may start
+        # with "-", which argparse would take for an option.
+        token = (f"--token={cluster.admin_token}",)
         refused = await asyncio.to_thread(_delete_database, "--admin", admin, "never_made", *token)
         assert refused.returncode == 1 and "404" in refused.stderr and "no database 'never_made'" in refused.stderr
         for usage in (["--admin", admin, "system"], ["--admin", admin, "bad.name"], ["oops"]):
