@@ -43,7 +43,7 @@ from replicator.coordinator.retention import Retention
 from replicator.coordinator.routing import Router
 from replicator.coordinator.sd_notify import Notifier, StartExtension, status_text
 from replicator.coordinator.setup_scheduler import SetupScheduler
-from replicator.coordinator.supervisor import PauseMonitor, Supervisor, WorkerHandle
+from replicator.coordinator.supervisor import RESPAWN_HEALTHY_UPTIME, PauseMonitor, Supervisor, WorkerHandle
 from replicator.coordinator.template import WorkerTemplate
 from replicator.shared import config as config_module
 from replicator.shared import membership, messages, revocation
@@ -143,6 +143,8 @@ class Node:
         # all of them (`_on_route_change`).
         self._rerouted: dict[str, None] = {}  # in the order their routes changed
         self._reroute: asyncio.Handle | None = None
+        # A respawned worker's share of the pairs comes back once it has stayed up (`_on_respawned`), by slot.
+        self._rebalances: dict[int, asyncio.TimerHandle] = {}
         # Databases whose file may lack this node's own writes (lost, adopted, gone back in time), until every peer
         # has served them back (coordinator.recovery).
         self.recoveries = Recoveries()
@@ -420,6 +422,9 @@ class Node:
         if self._reroute is not None:
             self._reroute.cancel()
             self._reroute = None
+        for timer in self._rebalances.values():
+            timer.cancel()
+        self._rebalances.clear()
         self.router.close()
         self.confirmations.close()
         await self.supervisor.stop(max(1.0, deadline - 1.0))
@@ -943,6 +948,8 @@ class Node:
                     self._ready.set()
                 if self._ready.is_set():
                     self.reconcile_stale()
+                    if handle.restarts:
+                        self._on_respawned(handle)
             case messages.LinkState(key=key, up=link_up, streams=streams):
                 self.links.report(slot, key, link_up, streams)
             case messages.SubscribeAccepted(key=key, database=database):
@@ -1118,7 +1125,30 @@ class Node:
             eta_s=copying["eta_s"],
         )
 
+    def _on_respawned(self, handle: WorkerHandle) -> None:
+        """A respawned worker starts with no pair (its exit spread them over the others): once it has stayed up for
+        RESPAWN_HEALTHY_UPTIME, the uptime that also resets its respawn schedule, pairs move back onto it until the
+        load is even (`scaling.rebalance`). A worker that crash-loops is never given pairs only to lose them again."""
+        slot, pid = handle.slot, handle.pid
+        self._cancel_rebalance(slot)
+
+        def due() -> None:
+            self._rebalances.pop(slot, None)
+            current = self.supervisor.workers.get(slot)
+            if self._closing or current is None or current.pid != pid or not self.supervisor.is_live(slot):
+                return
+            moved = scaling.rebalance(self, slot)
+            log.info("worker_rebalanced", worker=slot, moved=moved)
+
+        self._rebalances[slot] = self.loop.call_later(RESPAWN_HEALTHY_UPTIME, due)
+
+    def _cancel_rebalance(self, slot: int) -> None:
+        timer = self._rebalances.pop(slot, None)
+        if timer is not None:
+            timer.cancel()
+
     def on_worker_exit(self, handle: WorkerHandle) -> None:
+        self._cancel_rebalance(handle.slot)
         self.worker_tls.pop(handle.slot, None)
         self.links.forget_worker(handle.slot)  # its links died with it
         self.antientropy.on_worker_exit(handle.slot)

@@ -1,10 +1,11 @@
 """Changing the worker count of a running node (SIGHUP with a new `node.workers`, or `Node.scale`).
 
 The unit that moves is one (peer, database) pair: each is placed on a worker of its own. Scaling up spawns the new
-workers, waits for them to be ready, then moves pairs from the workers above their fair share onto them. Scaling
-down first moves the retiring workers' pairs, one by one, to the least loaded remaining worker, then stops those
-workers. Every move takes a slot on the node's ladder, the sweep every setup path shares, so the dispatches keep the
-stagger spacing that bounds concurrent TLS setups; pairs that stay where they are keep their sessions.
+workers, waits for them to be ready, then moves pairs from the workers above their fair share onto them. Scaling down
+first moves the retiring workers' pairs, one by one, to the least loaded remaining worker, then stops those workers. A
+worker respawned after an exit (whose pairs spread over the others) takes its share back the same way once it has stayed
+up (`rebalance`). Every move takes a slot on the node's ladder, the sweep every setup path shares, so the dispatches
+keep the stagger spacing that bounds concurrent TLS setups; pairs that stay where they are keep their sessions.
 """
 
 from __future__ import annotations
@@ -56,6 +57,15 @@ async def _scale_up(node: ScalingView, active: list[int], count: int) -> None:
         return
     moved = _even_out(node, active, ready_new)
     log.info("workers_scaled", workers=len(supervisor.live()), moved=moved)
+
+
+def rebalance(node: ScalingView, slot: int) -> int:
+    """A respawned worker, up for a while, takes its share back: pairs move from the workers above the fair share onto
+    it, as onto a new worker when scaling up. The count moved; 0 when the load was even or no other worker is live."""
+    live = [s for s in node.supervisor.live() if s != slot]
+    if not live or not node.supervisor.is_live(slot):
+        return 0
+    return _even_out(node, live, [slot])
 
 
 def _even_out(node: ScalingView, active: list[int], new: list[int]) -> int:

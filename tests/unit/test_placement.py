@@ -1,9 +1,10 @@
 """Placement by (peer, database), in virtual time: each pair is placed on a worker of its own.
 
-New pairs go to the worker with the fewest pairs placed (round-robin among equals), so the databases of even a few
-peers spread over every worker; a worker's exit moves only its pairs, spread over the others on the stagger
-ladder; scaling moves pairs onto new workers, and off retiring ones, on the same ladder. The node runs with the
-fake supervisor of tests/unit/test_coordinator.py, which records every message sent with its virtual time.
+New pairs go to the worker with the fewest pairs placed (round-robin among equals), so the databases of even a few peers
+spread over every worker; a worker's exit moves only its pairs, spread over the others on the stagger ladder, and a
+respawned worker takes its share back once it has stayed up; scaling moves pairs onto new workers, and off retiring
+ones, on the same ladder. The node runs with the fake supervisor of tests/unit/test_coordinator.py, which records every
+message sent with its virtual time.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 
 from replicator.coordinator.admin import status_document
 from replicator.coordinator.node import Node
+from replicator.coordinator.supervisor import RESPAWN_HEALTHY_UPTIME
 from replicator.shared import messages
 from tests.unit.fakeloop import VirtualTimeLoop
 from tests.unit.test_coordinator import STAGGER, FakeHandle, FakeSupervisor, add, connect, make_node, peer
@@ -126,6 +128,70 @@ def test_a_respawned_worker_in_the_same_slot_gets_no_pair_back_by_itself(loop: V
     supervisor.workers[2].alive = True  # respawned before the sweep's setups fire
     loop.advance(5.0)
     assert 2 not in placements(node).values()
+
+
+def _respawn(node: Node, supervisor: FakeSupervisor, slot: int, pid: int) -> None:
+    """The slot's worker exited earlier and comes back: a new process, ready."""
+    handle = supervisor.workers[slot]
+    handle.alive, handle.pid, handle.restarts = True, pid, handle.restarts + 1
+    node.on_worker_message(slot, messages.Ready(worker=slot, pid=pid))
+
+
+def _killed(node: Node, supervisor: FakeSupervisor, slot: int) -> None:
+    supervisor.workers[slot].alive = False
+    node.on_worker_exit(supervisor.workers[slot])  # type: ignore[arg-type]
+
+
+def test_a_respawned_worker_takes_its_share_back_once_it_has_stayed_up(
+    loop: VirtualTimeLoop, capsys: pytest.CaptureFixture[str]
+) -> None:
+    node, supervisor = _two_peers(loop)
+    up(node)
+    loop.advance_to(10.0)
+    _killed(node, supervisor, 1)
+    loop.advance(5.0)
+    up(node)  # its four pairs connected on the two others
+    assert Counter(placements(node).values()) == {0: 6, 2: 6}
+    _respawn(node, supervisor, 1, pid=201)
+    supervisor.sent.clear()
+    capsys.readouterr()
+    loop.advance_to(15.0 + RESPAWN_HEALTHY_UPTIME - 0.001)
+    assert not supervisor.sent  # nothing moves before the worker has stayed up
+    loop.advance(5.0)
+    placed = placements(node)
+    assert Counter(placed.values()) == {0: 4, 1: 4, 2: 4}
+    back = sorted(key for key, worker in placed.items() if worker == 1)
+    # Two from each busy worker, in turn: unsubscribed there, set up on the respawned one on the ladder.
+    unsubscribed = [(slot, message.database) for _, slot, message in supervisor.of(messages.Unsubscribe)]
+    assert Counter(slot for slot, _ in unsubscribed) == {0: 2, 2: 2}
+    sent = subscribes(supervisor)
+    assert sorted((p, d) for _, _, p, d in sent) == back
+    assert {worker for _, worker, _, _ in sent} == {1}
+    assert [t for t, *_ in sent] == [25.3, 25.35, 25.4, 25.45]
+    assert [(e["worker"], e["moved"]) for e in events(capsys, "worker_rebalanced")] == [(1, 4)]
+
+
+def test_a_worker_that_exits_again_before_it_stayed_up_is_given_nothing(
+    loop: VirtualTimeLoop, capsys: pytest.CaptureFixture[str]
+) -> None:
+    node, supervisor = _two_peers(loop)
+    up(node)
+    loop.advance_to(10.0)
+    _killed(node, supervisor, 1)
+    loop.advance(5.0)
+    up(node)
+    _respawn(node, supervisor, 1, pid=201)
+    loop.advance(RESPAWN_HEALTHY_UPTIME / 2)
+    _killed(node, supervisor, 1)  # a crash loop: its timer goes with it
+    loop.advance(1.0)
+    _respawn(node, supervisor, 1, pid=202)
+    capsys.readouterr()
+    loop.advance(RESPAWN_HEALTHY_UPTIME - 0.001)
+    assert 1 not in placements(node).values()
+    assert not events(capsys, "worker_rebalanced")
+    loop.advance(5.0)
+    assert Counter(placements(node).values()) == {0: 4, 1: 4, 2: 4}
+    assert [e["moved"] for e in events(capsys, "worker_rebalanced")] == [4]
 
 
 class ScalingSupervisor(FakeSupervisor):
