@@ -7,12 +7,15 @@ file, so only the code under test differs, not the measurement.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import importlib
 import json
 import os
 import resource
+import shutil
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -28,6 +31,7 @@ import psutil
 
 REPO = Path(__file__).resolve().parent.parent
 FDS_WANTED = 65536
+SYSTEM = "system"
 
 
 def use_code(code: Path, module: str = "coordinator.local_cluster") -> ModuleType:
@@ -123,6 +127,68 @@ def without(args: list[str], flag: str, values: int = 1) -> list[str]:
     return out
 
 
+def comparison_options(parser: argparse.ArgumentParser) -> None:
+    """`--baseline`, `--repeat` and `--code`: what `alternate` runs and what each side is given."""
+    parser.add_argument("--baseline", metavar="REV|TREE", help="also measure this git revision or source tree")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds of (baseline, current) with --baseline")
+    parser.add_argument("--code", type=Path, default=REPO, help="the tree measured (default: this one)")
+
+
+def side_args(args: list[str]) -> list[str]:
+    """A comparing run's arguments as each side's run is given them: without `--baseline` and `--repeat`."""
+    return without(without(args, "--baseline"), "--repeat")
+
+
+def median(values: Iterable[Any], digits: int) -> float | None:
+    """The median of the numbers among `values` (a figure a run could not measure is None), rounded to `digits`;
+    None when there is none."""
+    present = [value for value in values if isinstance(value, int | float)]
+    return round(statistics.median(present), digits) if present else None
+
+
+def ratio(current: float | None, baseline: float | None) -> float | None:
+    """current / baseline, to 3 places; None when either is missing or the baseline is 0."""
+    return round(current / baseline, 3) if current is not None and baseline else None
+
+
+def comparison(
+    benchmark: str,
+    repeat: int,
+    baseline: str,
+    current: str,
+    summary: dict[str, Any],
+    runs: dict[str, list],
+    **more: Any,
+) -> dict[str, Any]:
+    """What a comparing run prints: the revisions, the `summary` of the figures, anything `more`, then every run."""
+    return {
+        "benchmark": benchmark,
+        "repeat": repeat,
+        "order": "baseline, current, alternating",
+        "baseline": baseline,
+        "current": current,
+        "summary": summary,
+        **more,
+        "runs": runs,
+    }
+
+
+def print_json(result: dict[str, Any]) -> None:
+    json.dump(result, sys.stdout, indent=2)
+    print()
+
+
+def keep_logs(cluster: Any, folder: str | None, prefix: str) -> None:
+    """Copy every node's log into `folder` (nothing when it is not given), as `PREFIX-NODE.log`."""
+    if not folder:
+        return
+    target = Path(folder)
+    target.mkdir(parents=True, exist_ok=True)
+    for name, node in cluster.nodes.items():
+        if node.log_path.exists():
+            shutil.copyfile(node.log_path, target / f"{prefix}-{name}.log")
+
+
 def cpu_seconds(processes: dict[str, psutil.Process]) -> dict[str, float]:
     """CPU time (user + system) each process has used so far, by role; a process that is gone is left out."""
     used = {}
@@ -156,6 +222,26 @@ def helper_role(process: psutil.Process) -> str | None:
 
 
 # -- what a node shows (its /status and its processes) ------------------------------------------------------
+
+
+def full_mesh_pairs(names: list[str], databases: list[str]) -> dict[str, dict[str, list[str]]]:
+    """Every node's pairs in a full mesh: each other node, for the system database and every database."""
+    return {name: {peer: [SYSTEM, *databases] for peer in names if peer != name} for name in names}
+
+
+async def create_databases(cluster: Any, names: list[str], databases: list[tuple[int, str]], concurrency: int) -> None:
+    """Each database created by one write (`t/seed`), on the node its index picks (round-robin over `names`),
+    `concurrency` at a time."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(index: int, database: str) -> None:
+        node = names[index % len(names)]
+        async with gate:
+            code, body = await cluster.data(node, "PUT", f"/data/{database}/t/seed", {"database": database})
+        if code != 200:
+            raise RuntimeError(f"creating {database} on {node} answered {code}: {body}")
+
+    await asyncio.gather(*(one(index, database) for index, database in databases))
 
 
 def missing_pairs(status: dict[str, Any], wanted: dict[str, list[str]]) -> list[str]:

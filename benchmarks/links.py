@@ -42,9 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -58,8 +56,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness
 
-SYSTEM = "system"
-TABLE = "t"
 MIB = 2**20
 # Issue 23, for 1,000 databases between 3 nodes.
 TARGET_RESTART_S = 5.0
@@ -70,25 +66,6 @@ TARGET_PER_DATABASE_MIB = 0.05
 def has_links(code: Path) -> bool:
     """Whether the tree has multiplexed links (workers/link.py): a tree without them logs no `connection_opened`."""
     return any((root / "workers" / "link.py").exists() for root in (code, code / "src" / "replicator"))
-
-
-def wanted_pairs(names: list[str], databases: list[str]) -> dict[str, dict[str, list[str]]]:
-    """Every node's pairs in a full mesh: each other node, for the system database and every database."""
-    return {name: {peer: [SYSTEM, *databases] for peer in names if peer != name} for name in names}
-
-
-async def create(cluster: Any, names: list[str], databases: list[tuple[int, str]], concurrency: int) -> None:
-    """Each database created by one write, on the node its index picks (round-robin)."""
-    gate = asyncio.Semaphore(concurrency)
-
-    async def one(index: int, database: str) -> None:
-        node = names[index % len(names)]
-        async with gate:
-            code, body = await cluster.data(node, "PUT", f"/data/{database}/{TABLE}/seed", {"database": database})
-        if code != 200:
-            raise RuntimeError(f"creating {database} on {node} answered {code}: {body}")
-
-    await asyncio.gather(*(one(index, database) for index, database in databases))
 
 
 async def statuses(cluster: Any) -> dict[str, dict[str, Any]]:
@@ -197,17 +174,6 @@ async def restart(
     return figures
 
 
-def keep_logs(cluster: Any, folder: str | None, code: Path) -> None:
-    if not folder:
-        return
-    target = Path(folder)
-    target.mkdir(parents=True, exist_ok=True)
-    side = "current" if code == harness.REPO else "baseline"
-    for name, node in cluster.nodes.items():
-        if node.log_path.exists():
-            shutil.copyfile(node.log_path, target / f"{side}-{name}.log")
-
-
 async def measure(options: argparse.Namespace) -> dict[str, Any]:
     harness.raise_fd_limit()
     code = options.code.resolve()
@@ -221,15 +187,15 @@ async def measure(options: argparse.Namespace) -> dict[str, Any]:
         cluster.start()
         try:
             await cluster.wait_ready(timeout=120)
-            await create(cluster, names, [(0, databases[0])], 1)
+            await harness.create_databases(cluster, names, [(0, databases[0])], 1)
             await harness.wait_connected(
-                cluster, wanted_pairs(names, databases[:1]), options.timeout, options.poll, databases[:1]
+                cluster, harness.full_mesh_pairs(names, databases[:1]), options.timeout, options.poll, databases[:1]
             )
             await asyncio.sleep(options.settle)
             pss_one = await pss_reading(cluster)
-            wanted = wanted_pairs(names, databases)
+            wanted = harness.full_mesh_pairs(names, databases)
             started = time.time()
-            await create(cluster, names, list(enumerate(databases))[1:], options.clients)
+            await harness.create_databases(cluster, names, list(enumerate(databases))[1:], options.clients)
             created = time.time()
             observed, documents = await harness.wait_connected(
                 cluster, wanted, options.timeout, options.poll, databases
@@ -244,7 +210,7 @@ async def measure(options: argparse.Namespace) -> dict[str, Any]:
         finally:
             cluster.stop()
             await cluster.close()
-            keep_logs(cluster, options.keep_logs, code)
+            harness.keep_logs(cluster, options.keep_logs, "current" if code == harness.REPO else "baseline")
     added = options.databases - 1
     memory: dict[str, Any] = {
         name: {
@@ -306,36 +272,25 @@ FIGURES = [
 ]
 
 
-def _median(values: list[Any]) -> float | None:
-    present = [value for value in values if isinstance(value, int | float)]
-    return round(statistics.median(present), 4) if present else None
-
-
 def compare(options: argparse.Namespace, args: list[str]) -> dict[str, Any]:
     baseline_rev, current_rev, runs = harness.alternate(__file__, options.baseline, args, options.repeat)
     medians = {
-        side: {figure: _median([run[figure] for run in found]) for figure in FIGURES} for side, found in runs.items()
+        side: {
+            **{figure: harness.median([run[figure] for run in found], 4) for figure in FIGURES},
+            "connection_opened": harness.median([run["restart"]["connection_opened"] for run in found], 4),
+        }
+        for side, found in runs.items()
     }
-    medians["current"]["connection_opened"] = _median([run["restart"]["connection_opened"] for run in runs["current"]])
-    medians["baseline"]["connection_opened"] = _median(
-        [run["restart"]["connection_opened"] for run in runs["baseline"]]
+    ratios = {figure: harness.ratio(medians["current"][figure], medians["baseline"][figure]) for figure in FIGURES}
+    return harness.comparison(
+        "links",
+        options.repeat,
+        baseline_rev,
+        current_rev,
+        {"baseline": medians["baseline"], "current": medians["current"], "ratios": ratios},
+        runs,
+        targets_met={side: [run["targets_met"] for run in found] for side, found in runs.items()},
     )
-    ratios = {
-        figure: round(medians["current"][figure] / medians["baseline"][figure], 3)
-        if medians["current"][figure] is not None and medians["baseline"][figure]
-        else None
-        for figure in FIGURES
-    }
-    return {
-        "benchmark": "links",
-        "repeat": options.repeat,
-        "order": "baseline, current, alternating",
-        "baseline": baseline_rev,
-        "current": current_rev,
-        "summary": {"baseline": medians["baseline"], "current": medians["current"], "ratios": ratios},
-        "targets_met": {side: [run["targets_met"] for run in found] for side, found in runs.items()},
-        "runs": runs,
-    }
 
 
 def main() -> None:
@@ -349,23 +304,20 @@ def main() -> None:
     parser.add_argument("--poll", type=float, default=0.5, help="seconds between /status polls (default 0.5)")
     parser.add_argument("--timeout", type=float, default=900.0, help="give up on a phase after this (default 900)")
     parser.add_argument("--keep-logs", metavar="DIR", help="copy the nodes' logs into DIR")
-    parser.add_argument("--baseline", metavar="REV|TREE", help="also measure this git revision or source tree")
-    parser.add_argument("--repeat", type=int, default=1, help="rounds of (baseline, current) with --baseline")
-    parser.add_argument("--code", type=Path, default=harness.REPO, help="the tree measured (default: this one)")
+    harness.comparison_options(parser)
     options = parser.parse_args()
     if options.databases < 1 or not 2 <= options.nodes <= 26:
         parser.error("--databases must be at least 1 and --nodes 2 to 26")
     if options.keep_logs:  # the run works in the measured tree's folder (harness.use_code)
         options.keep_logs = str(Path(options.keep_logs).resolve())
     if options.baseline:
-        args = harness.without(harness.without(sys.argv[1:], "--baseline"), "--repeat")
+        args = harness.side_args(sys.argv[1:])
         if options.keep_logs:
             args = [*harness.without(args, "--keep-logs"), "--keep-logs", options.keep_logs]
         result = compare(options, args)
     else:
         result = asyncio.run(measure(options))
-    json.dump(result, sys.stdout, indent=2)
-    print()
+    harness.print_json(result)
 
 
 if __name__ == "__main__":

@@ -59,10 +59,8 @@ import asyncio
 import contextlib
 import importlib
 import itertools
-import json
 import os
 import random
-import shutil
 import signal
 import sqlite3
 import statistics
@@ -215,17 +213,6 @@ def committed_span(folder: Path, databases: list[str], origin: str) -> tuple[flo
     return first, last, count
 
 
-def keep_logs(cluster: Any, options: argparse.Namespace, scenario: str) -> None:
-    """Copy every node's log to `--keep-logs DIR`, as `scenario-node.log`."""
-    if not options.keep_logs:
-        return
-    folder = Path(options.keep_logs)
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, node in cluster.nodes.items():
-        if node.log_path.exists():
-            shutil.copyfile(node.log_path, folder / f"{scenario}-{name}.log")
-
-
 # -- py-spy -------------------------------------------------------------------------------------------------------
 
 
@@ -270,7 +257,7 @@ class Profiler:
 async def two_nodes(tree: Tree, options: argparse.Namespace) -> dict[str, Any]:
     count = options.databases
     names = [f"db{i:04d}" for i in range(count)]
-    wanted = {"a": {"b": [SYSTEM, *names]}, "b": {"a": [SYSTEM, *names]}}
+    wanted = harness.full_mesh_pairs(["a", "b"], names)
     profiler = Profiler(options.py_spy and Path(options.py_spy) / "two-nodes")
     with tempfile.TemporaryDirectory(prefix="replicator-pairs-") as folder:
         replication = {"shutdown_timeout": 20.0}
@@ -282,14 +269,7 @@ async def two_nodes(tree: Tree, options: argparse.Namespace) -> dict[str, Any]:
             status = {name: (await cluster.admin(name, "/status"))[1] for name in ("a", "b")}
             profiler.start("setup-a", harness.node_processes(cluster["a"], status["a"]))
             started = time.time()
-
-            async def create(index: int, database: str) -> None:
-                name = "a" if index % 2 == 0 else "b"
-                code, body = await cluster.data(name, "PUT", f"/data/{database}/t/seed", {"database": database})
-                if code != 200:
-                    raise RuntimeError(f"creating {database} on {name} answered {code}: {body}")
-
-            await limited([lambda i=i, d=d: create(i, d) for i, d in enumerate(names)], options.clients)
+            await harness.create_databases(cluster, ["a", "b"], list(enumerate(names)), options.clients)
             created = time.time()
             observed, status = await harness.wait_connected(cluster, wanted, options.timeout, options.poll)
             profiler.stop()
@@ -322,7 +302,7 @@ async def two_nodes(tree: Tree, options: argparse.Namespace) -> dict[str, Any]:
             profiler.stop()
             cluster.stop()
             await cluster.close()
-            keep_logs(cluster, options, "two-nodes")
+            harness.keep_logs(cluster, options.keep_logs, "two-nodes")
         if options.records:
             first, last_written, written = committed_span(Path(folder) / "a" / "data", names, "a")
             _, last_applied, applied = committed_span(Path(folder) / "b" / "data", names, "a")
@@ -625,7 +605,7 @@ async def fifty_peers(tree: Tree, options: argparse.Namespace) -> dict[str, Any]
             cluster.stop()
             await cluster.close()
             await fleet.close()
-            keep_logs(cluster, options, "fifty-peers")
+            harness.keep_logs(cluster, options.keep_logs, "fifty-peers")
         if options.records:
             first_write, last_written, written = committed_span(Path(folder) / "n" / "data", every, "n")
             throughput.update(
@@ -695,35 +675,22 @@ def _figure(result: dict[str, Any], path: tuple[str, ...]) -> float | None:
     return found if isinstance(found, int | float) else None
 
 
-def _median(values: list[float | None]) -> float | None:
-    present = [value for value in values if value is not None]
-    return round(statistics.median(present), 3) if present else None
-
-
 def compare(options: argparse.Namespace, args: list[str]) -> dict[str, Any]:
     baseline_rev, current_rev, runs = harness.alternate(__file__, options.baseline, args, options.repeat)
     summary: dict[str, Any] = {}
     for scenario in scenarios(options):
         medians = {
-            side: {name: _median([_figure(run[scenario], path) for run in found]) for name, path in FIGURES[scenario]}
+            side: {
+                name: harness.median([_figure(run[scenario], path) for run in found], 3)
+                for name, path in FIGURES[scenario]
+            }
             for side, found in runs.items()
         }
         ratios = {
-            name: round(medians["current"][name] / medians["baseline"][name], 3)
-            if medians["current"][name] is not None and medians["baseline"][name]
-            else None
-            for name, _ in FIGURES[scenario]
+            name: harness.ratio(medians["current"][name], medians["baseline"][name]) for name, _ in FIGURES[scenario]
         }
         summary[scenario] = {"baseline": medians["baseline"], "current": medians["current"], "ratios": ratios}
-    return {
-        "benchmark": "many_pairs",
-        "repeat": options.repeat,
-        "order": "baseline, current, alternating",
-        "baseline": baseline_rev,
-        "current": current_rev,
-        "summary": summary,
-        "runs": runs,
-    }
+    return harness.comparison("many_pairs", options.repeat, baseline_rev, current_rev, summary, runs)
 
 
 def main() -> None:
@@ -742,19 +709,10 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900.0, help="give up on a phase after this (default 900)")
     parser.add_argument("--py-spy", metavar="DIR", help="record the node's processes with py-spy into DIR")
     parser.add_argument("--keep-logs", metavar="DIR", help="copy the nodes' logs into DIR")
-    parser.add_argument("--baseline", metavar="REV|TREE", help="also measure this git revision or source tree")
-    parser.add_argument("--repeat", type=int, default=1, help="rounds of (baseline, current) with --baseline")
-    parser.add_argument("--code", type=Path, default=harness.REPO, help="the tree measured (default: this one)")
+    harness.comparison_options(parser)
     options = parser.parse_args()
-    if options.baseline:
-        args = [arg for arg in sys.argv[1:]]
-        args = harness.without(args, "--baseline", 1)
-        args = harness.without(args, "--repeat", 1)
-        result = compare(options, args)
-    else:
-        result = asyncio.run(measure(options))
-    json.dump(result, sys.stdout, indent=2)
-    print()
+    result = compare(options, harness.side_args(sys.argv[1:])) if options.baseline else asyncio.run(measure(options))
+    harness.print_json(result)
 
 
 if __name__ == "__main__":

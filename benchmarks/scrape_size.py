@@ -42,7 +42,6 @@ import argparse
 import asyncio
 import gzip
 import importlib
-import json
 import statistics
 import sys
 import time
@@ -298,22 +297,12 @@ FIGURES = ("bytes", "gzip_bytes", "series", "series_per_database", "scrape_ms", 
 def compare(options: argparse.Namespace, args: list[str]) -> dict[str, Any]:
     baseline_rev, current_rev, runs = harness.alternate(__file__, options.baseline, args, options.repeat)
     medians = {
-        side: {name: round(statistics.median(run[name] for run in found), 2) for name in FIGURES}
+        side: {name: harness.median([run[name] for run in found], 2) for name in FIGURES}
         for side, found in runs.items()
     }
-    ratios = {
-        name: round(medians["current"][name] / medians["baseline"][name], 3) if medians["baseline"][name] else None
-        for name in FIGURES
-    }
-    return {
-        "benchmark": "scrape_size",
-        "repeat": options.repeat,
-        "order": "baseline, current, alternating",
-        "baseline": baseline_rev,
-        "current": current_rev,
-        "summary": {"baseline": medians["baseline"], "current": medians["current"], "ratios": ratios},
-        "runs": runs,
-    }
+    ratios = {name: harness.ratio(medians["current"][name], medians["baseline"][name]) for name in FIGURES}
+    summary = {"baseline": medians["baseline"], "current": medians["current"], "ratios": ratios}
+    return harness.comparison("scrape_size", options.repeat, baseline_rev, current_rev, summary, runs)
 
 
 def main() -> None:
@@ -322,16 +311,10 @@ def main() -> None:
     parser.add_argument("--peers", type=int, default=2, help="peers holding every database (default 2)")
     parser.add_argument("--state", choices=["converging", "caught-up"], default="converging")
     parser.add_argument("--repeat-scrapes", type=int, default=7, help="scrapes timed per measurement (default 7)")
-    parser.add_argument("--baseline", metavar="REV|TREE", help="also measure this git revision or source tree")
-    parser.add_argument("--repeat", type=int, default=1, help="rounds of (baseline, current) with --baseline")
-    parser.add_argument("--code", type=Path, default=harness.REPO, help="the tree measured (default: this one)")
+    harness.comparison_options(parser)
     options = parser.parse_args()
-    if options.baseline:
-        result = compare(options, harness.without(harness.without(sys.argv[1:], "--baseline"), "--repeat"))
-    else:
-        result = measure(options)
-    json.dump(result, sys.stdout, indent=2)
-    print()
+    result = compare(options, harness.side_args(sys.argv[1:])) if options.baseline else measure(options)
+    harness.print_json(result)
 
 
 if __name__ == "__main__":

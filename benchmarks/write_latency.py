@@ -169,8 +169,7 @@ def compare(options: argparse.Namespace) -> dict:
         "baseline": {"rev": baseline_rev, "median": medians["baseline"], "runs": runs["baseline"]},
         "current": {"rev": current_rev, "median": medians["current"], "runs": runs["current"]},
         "ratios_current_over_baseline": {
-            f: round(medians["current"][f] / medians["baseline"][f], 3) if medians["baseline"][f] else None
-            for f in FIGURES
+            f: harness.ratio(medians["current"][f], medians["baseline"][f]) for f in FIGURES
         },
     }
 
@@ -193,8 +192,7 @@ def main() -> None:
         result = asyncio.run(
             measure(options.code.resolve(), options.writes, options.interval, options.databases, options.idle_seconds)
         )
-    json.dump(result, sys.stdout, indent=2)
-    print()
+    harness.print_json(result)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ import contextlib
 import ipaddress
 import json
 import os
-import secrets
 import sys
 import tomllib
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ import msgspec
 from replicator.coordinator import admin_url
 from replicator.coordinator.admin_client import admin_headers
 from replicator.coordinator.reachability import WILDCARD, listen_host_for, unreachable_from_peers
-from replicator.shared.config import NAME_RE, ConfigError, from_mapping, load, resolve_path
+from replicator.shared.config import NAME_RE, ConfigError, from_mapping, load, random_token, resolve_path
 from replicator.shared.keys import normalize_url
 from replicator.shared.tls import (
     TlsConfigError,
@@ -446,12 +445,12 @@ class _Token:
         if token is not None:
             return cls(kind, _check_token(kind, kind.option, token.strip()), kind.option)
         if token_file is None:
-            return cls(kind, secrets.token_urlsafe(32), "random")
+            return cls(kind, random_token(32), "random")
         if not token_file.strip():
             raise _UsageError(file_option, "must not be empty")
         path = Path(token_file).expanduser().absolute()
         if not path.exists():
-            return cls(kind, secrets.token_urlsafe(32), file_option, path, new_file=True)
+            return cls(kind, random_token(32), file_option, path, new_file=True)
         try:
             text = path.read_text()
         except (OSError, UnicodeDecodeError) as exc:

@@ -15,7 +15,6 @@ import asyncio
 import json
 import os
 import re
-import secrets
 import signal
 import socket
 import subprocess
@@ -27,6 +26,7 @@ from typing import Any, Protocol, TypeVar
 
 import aiohttp
 
+from replicator.shared.config import random_token
 from replicator.shared.tls import client_context, create_ca, issue_node_cert
 
 HOST = "127.0.0.1"
@@ -302,7 +302,7 @@ class LocalCluster:
         self.dir = Path(directory)
         self.workers = workers
         self.token = token
-        self.admin_token = secrets.token_urlsafe(24) if admin_token is None else admin_token
+        self.admin_token = random_token(24) if admin_token is None else admin_token
         self.replication: dict[str, Any] = {"shutdown_timeout": 10.0, **(replication or {})}
         ports = free_ports(2 * len(names))
         self.nodes: dict[str, LocalNode] = {

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import secrets
 import stat
 import tomllib
 from collections.abc import Mapping
@@ -426,6 +427,12 @@ def _check(config: Config, source: str) -> None:
 
 # A bearer token travels in an HTTP header: visible ASCII only.
 TOKEN_RE = re.compile(r"[\x21-\x7e]{1,1024}")
+
+
+def random_token(nbytes: int) -> str:
+    """A new bearer token: `nbytes` random bytes, URL-safe, after a letter. A token starting with "-", given on a
+    command line as `--token VALUE`, is taken for an option; the letter takes none of the entropy away."""
+    return "r" + secrets.token_urlsafe(nbytes)
 
 
 def _check_exposure(config: Config, fail: Any) -> None:

@@ -183,6 +183,30 @@ async def assert_identical(cluster: LocalCluster, databases: list[str], names: l
             assert audit_duplicates(cluster, name, database) == [], (name, database)
 
 
+async def write_each(cluster: LocalCluster, names: list[str], databases: list[str], tag: str) -> None:
+    """On each node named, one record in each database: `t/NAME-TAG` = {"v": TAG}; fails the test on anything but
+    200."""
+    for name in names:
+        for database in databases:
+            status, body = await cluster.data(name, "PUT", f"/data/{database}/t/{name}-{tag}", {"v": tag})
+            assert status == 200, (name, database, status, body)
+
+
+async def connected_pairs(
+    cluster: LocalCluster, name: str, other: str, count: int, *, with_session: bool = False
+) -> list[dict[str, Any]] | None:
+    """`name`'s pairs with `other` from /status once all `count` of them are connected (`with_session`: and each
+    reports its session), else None: a predicate for `wait_for`."""
+    _, body = await cluster.admin(name, "/status")
+    for connection in body["connections"]:
+        if connection["peer"] == other:
+            pairs = connection["databases"]
+            up = all(p["connected"] and (not with_session or p["session"] is not None) for p in pairs)
+            if len(pairs) == count and up:
+                return pairs
+    return None
+
+
 async def write_many(cluster: LocalCluster, name: str, database: str, table: str, ids: list[str], value: Any) -> None:
     """Write the records in one batch request; fails the test on anything but 200."""
     records = [{"id": record_id, "value": value} for record_id in ids]

@@ -10,20 +10,10 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.integration.conftest import assert_identical, wait_for
+from tests.integration.conftest import assert_identical, connected_pairs, wait_for, write_each
 
 DATABASES = [f"db{i:02d}" for i in range(20)]
 PAIRS = len(DATABASES) + 1  # and the system database
-
-
-async def _all_connected(cluster: Any, name: str, other: str) -> list[dict[str, Any]] | None:
-    _, body = await cluster.admin(name, "/status")
-    for connection in body["connections"]:
-        if connection["peer"] == other:
-            pairs = connection["databases"]
-            if len(pairs) == PAIRS and all(p["connected"] for p in pairs):
-                return pairs
-    return None
 
 
 async def _dialled(cluster: Any, name: str, other: str) -> dict[int, int]:
@@ -39,13 +29,6 @@ async def _dialled(cluster: Any, name: str, other: str) -> dict[int, int]:
     return counts
 
 
-async def _write(cluster: Any, tag: str) -> None:
-    for name in ("a", "b"):
-        for database in DATABASES:
-            status, body = await cluster.data(name, "PUT", f"/data/{database}/t/{name}-{tag}", {"v": tag})
-            assert status == 200, (name, database, status, body)
-
-
 @pytest.mark.timeout(300)
 async def test_twenty_databases_travel_over_one_connection_per_worker_and_direction(
     make_cluster,  # type: ignore[no-untyped-def]
@@ -54,9 +37,11 @@ async def test_twenty_databases_travel_over_one_connection_per_worker_and_direct
     cluster.start()
     try:
         await cluster.wait_ready()
-        await _write(cluster, "before")
+        await write_each(cluster, ["a", "b"], DATABASES, "before")
         for name, other in (("a", "b"), ("b", "a")):
-            pairs = await wait_for(lambda n=name, o=other: _all_connected(cluster, n, o), 90, f"{name}'s pairs up")
+            pairs = await wait_for(
+                lambda n=name, o=other: connected_pairs(cluster, n, o, PAIRS), 90, f"{name}'s pairs up"
+            )
             assert sorted({p["worker"] for p in pairs}) == [0, 1], pairs  # placed over both workers
             # One link per worker that holds pairs with the peer (a per-pair socket each would be 21 in all), and
             # at most one more connection per worker for the anti-entropy and blob requests over HTTPS.
@@ -70,11 +55,11 @@ async def test_twenty_databases_travel_over_one_connection_per_worker_and_direct
         cluster["b"].start()
         await cluster.wait_ready(["b"])
         for name, other in (("a", "b"), ("b", "a")):
-            await wait_for(lambda n=name, o=other: _all_connected(cluster, n, o), 90, f"{name}'s pairs back")
+            await wait_for(lambda n=name, o=other: connected_pairs(cluster, n, o, PAIRS), 90, f"{name}'s pairs back")
         reopened = [e for e in cluster["b"].events("connection_opened") if e["ts"] > restarted_at]
         assert {e["worker"] for e in reopened} == {0, 1} and len(reopened) < PAIRS, reopened
 
-        await _write(cluster, "after")
+        await write_each(cluster, ["a", "b"], DATABASES, "after")
         for database in DATABASES:
             await cluster.wait_converged(database, timeout=90, expect_count=4)
         await assert_identical(cluster, DATABASES)

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from replicator.coordinator.local_cluster import LocalCluster, free_ports
-from tests.integration.conftest import wait_for
+from tests.integration.conftest import connected_pairs, wait_for, write_each
 
 GHOST = "wss://ghost.invalid:9"
 
@@ -68,30 +68,19 @@ async def test_a_killed_workers_pairs_reconnect_as_streams_and_tls_setups_keep_t
         await cluster.wait_ready()
         # Twelve pairs with b (system and eleven databases), placed six on each of a's two workers.
         databases = [f"db{i}" for i in range(1, 12)]
-        for database in databases:
-            assert (await cluster.data("b", "PUT", f"/data/{database}/t/before", {"ok": True}))[0] == 200
-
-        async def pairs_up() -> dict | None:
-            _, body = await cluster.admin("a", "/status")
-            for connection in body["connections"]:
-                if connection["peer"] == "b":
-                    pairs = connection["databases"]
-                    if len(pairs) == 12 and all(p["connected"] for p in pairs):
-                        return connection
-            return None
-
-        connection = await wait_for(pairs_up, 60, "a's twelve pairs with b")
-        victim = connection["databases"][0]["worker"]
-        on_victim = sorted(p["database"] for p in connection["databases"] if p["worker"] == victim)
-        assert len(on_victim) == 6, connection
+        await write_each(cluster, ["b"], databases, "before")
+        pairs = await wait_for(lambda: connected_pairs(cluster, "a", "b", 12), 60, "a's twelve pairs with b")
+        victim = pairs[0]["worker"]
+        on_victim = sorted(p["database"] for p in pairs if p["worker"] == victim)
+        assert len(on_victim) == 6, pairs
         _, body = await cluster.admin("a", "/status")
         pid = next(w["pid"] for w in body["workers"] if w["id"] == victim)
         killed_at = time.time()
         psutil.Process(pid).send_signal(signal.SIGKILL)
 
         async def all_back() -> bool:
-            found = await pairs_up()
-            return found is not None and all(p["worker"] != victim for p in found["databases"])
+            found = await connected_pairs(cluster, "a", "b", 12)
+            return found is not None and all(p["worker"] != victim for p in found)
 
         await wait_for(all_back, 60, "the victim's six pairs connected on the live worker")
         # The live worker's link to b is up: the six pairs are streams on it, dispatched without a ladder slot.
@@ -109,8 +98,7 @@ async def test_a_killed_workers_pairs_reconnect_as_streams_and_tls_setups_keep_t
         assert len(reassigned) == 6 and all(e["worker"] != victim for e in reassigned)
         assert sorted(e["database"] for e in reassigned) == on_victim  # only the dead worker's pairs moved
 
-        for database in databases:
-            assert (await cluster.data("b", "PUT", f"/data/{database}/t/after", {"ok": True}))[0] == 200
+        await write_each(cluster, ["b"], databases, "after")
         for database in databases:
             await cluster.wait_converged(database, timeout=30, expect_count=2)
 

@@ -6,33 +6,14 @@ from __future__ import annotations
 import signal
 import time
 from collections import Counter
-from typing import Any
 
 import psutil
 import pytest
 
-from tests.integration.conftest import assert_identical, wait_for
+from tests.integration.conftest import assert_identical, connected_pairs, wait_for, write_each
 
 DATABASES = [f"db{i}" for i in range(1, 7)]
 PAIRS = len(DATABASES) + 1  # and the system database
-
-
-async def _pairs_with(cluster: Any, name: str, other: str) -> list[dict[str, Any]] | None:
-    """The node's pairs with `other` from /status, once every one of the PAIRS is connected; else None."""
-    _, body = await cluster.admin(name, "/status")
-    for connection in body["connections"]:
-        if connection["peer"] == other:
-            pairs = connection["databases"]
-            if len(pairs) == PAIRS and all(p["connected"] and p["session"] is not None for p in pairs):
-                return pairs
-    return None
-
-
-async def _write(cluster: Any, tag: str) -> None:
-    for name in ("a", "b"):
-        for database in DATABASES:
-            status, body = await cluster.data(name, "PUT", f"/data/{database}/t/{name}-{tag}", {"v": tag})
-            assert status == 200, (name, database, status, body)
 
 
 @pytest.mark.timeout(240)
@@ -43,17 +24,21 @@ async def test_one_peers_pairs_spread_over_three_workers_and_a_killed_workers_pa
     cluster.start()
     try:
         await cluster.wait_ready()
-        await _write(cluster, "before")
+        await write_each(cluster, ["a", "b"], DATABASES, "before")
 
         # Each node has one peer, and its seven pairs with it are on all three of its workers: one worker holds
         # sessions with the peer for some databases while the others hold the peer's other databases.
         for name, other in (("a", "b"), ("b", "a")):
-            pairs = await wait_for(lambda n=name, o=other: _pairs_with(cluster, n, o), 60, f"{name}'s pairs up")
+            pairs = await wait_for(
+                lambda n=name, o=other: connected_pairs(cluster, n, o, PAIRS, with_session=True),
+                60,
+                f"{name}'s pairs up",
+            )
             load = Counter(p["worker"] for p in pairs)
             assert sorted(load) == [0, 1, 2] and sorted(load.values()) == [2, 2, 3], pairs
             assert all(p["worker"] == p["placed"] for p in pairs), pairs
 
-        pairs = await _pairs_with(cluster, "a", "b")
+        pairs = await connected_pairs(cluster, "a", "b", PAIRS, with_session=True)
         assert pairs is not None
         before = {p["database"]: p["worker"] for p in pairs}
         victim = Counter(before.values()).most_common(1)[0][0]  # the worker with three pairs
@@ -65,7 +50,7 @@ async def test_one_peers_pairs_spread_over_three_workers_and_a_killed_workers_pa
         psutil.Process(pid).send_signal(signal.SIGKILL)
 
         async def moved_off() -> dict[str, int] | None:
-            found = await _pairs_with(cluster, "a", "b")
+            found = await connected_pairs(cluster, "a", "b", PAIRS, with_session=True)
             if found is None or any(p["worker"] == victim for p in found):
                 return None
             return {p["database"]: p["worker"] for p in found}
@@ -91,7 +76,7 @@ async def test_one_peers_pairs_spread_over_three_workers_and_a_killed_workers_pa
         for database in moved:
             assert (database, after[database]) in dispatched and (database, after[database]) in connected
 
-        await _write(cluster, "after")
+        await write_each(cluster, ["a", "b"], DATABASES, "after")
         for database in DATABASES:
             await cluster.wait_converged(database, timeout=60, expect_count=4)
         await assert_identical(cluster, DATABASES)

@@ -5,6 +5,7 @@ token."""
 from __future__ import annotations
 
 import json
+import secrets
 import stat
 import tomllib
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 
 from replicator.coordinator.certs_cmd import cmd_init
+from replicator.coordinator.local_cluster import LocalCluster
 from replicator.shared.config import load, resolve_path
 from replicator.shared.tls import create_ca
 
@@ -93,6 +95,23 @@ def test_one_token_file_gives_every_node_the_same_data_token(
     # Without either, each node gets a random token of its own.
     assert _init(ca_dir, tmp_path / "c" / "c.toml", str(tmp_path / "data-c"), "c") == 0
     assert _file(tmp_path / "c" / "c.toml")["data"]["token"] not in ("", token)
+
+
+def test_no_random_token_starts_with_a_dash(ca_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A token starting with "-" given as `--token VALUE` is taken for an option: whatever the random draw, the
+    tokens init makes (in the config and in a new token file) and LocalCluster's admin token do not."""
+    monkeypatch.setattr(secrets, "token_urlsafe", lambda nbytes: "-" + "x" * nbytes)
+    assert _init(ca_dir, tmp_path / "a" / "a.toml", str(tmp_path / "data-a")) == 0
+    files = {"token_file": str(tmp_path / "data.token"), "admin_token_file": str(tmp_path / "admin.token")}
+    assert _init(ca_dir, tmp_path / "b" / "b.toml", str(tmp_path / "data-b"), "b", **files) == 0
+    a, b = _file(tmp_path / "a" / "a.toml"), _file(tmp_path / "b" / "b.toml")
+    made = [
+        config[section][key] for config in (a, b) for section, key in (("data", "token"), ("listen", "admin_token"))
+    ]
+    made += [(tmp_path / "data.token").read_text().strip(), (tmp_path / "admin.token").read_text().strip()]
+    made.append(LocalCluster(tmp_path / "cluster", ["a"]).admin_token)
+    assert len(made) == 7 and not any(token.startswith("-") for token in made), made
+    assert all(token[1:] in ("-" + "x" * 32, "-" + "x" * 24) for token in made), made  # every random byte kept
 
 
 def test_a_given_token_is_written_and_a_bad_one_refused(

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -14,6 +15,27 @@ from replicator.shared import wire
 from replicator.workers import frames, link
 
 LIMIT = 64 * 1024
+WAIT = 5.0  # the most a test waits for what it expects to happen
+
+
+async def within(what: str, waiting: Awaitable[Any]) -> None:
+    """Await `waiting`; the test fails naming `what` when it has not happened within WAIT."""
+    try:
+        async with asyncio.timeout(WAIT):
+            await waiting
+    except TimeoutError:
+        pytest.fail(f"{what}: not within {WAIT:g} s")
+
+
+async def until(holds: Callable[[], bool]) -> None:
+    """Return once `holds()` does, looking again at each turn of the loop (bound it with `within`)."""
+    while not holds():  # noqa: ASYNC110 - what is looked at has no event to wait on
+        await asyncio.sleep(0)
+
+
+def waiting(task: asyncio.Task[Any]) -> bool:
+    """The task has started and waits on something (its coroutine is suspended)."""
+    return inspect.getcoroutinestate(task.get_coro()) == inspect.CORO_SUSPENDED
 
 
 class Peer:
@@ -23,6 +45,17 @@ class Peer:
         self.serve = serve
         self.links: list[link.Link] = []
         self.served: list[asyncio.Task[Any]] = []
+        self._opened = asyncio.Event()
+
+    def _open(self, stream: link.Stream) -> None:
+        self.served.append(asyncio.get_running_loop().create_task(self.serve(stream)))
+        self._opened.set()
+
+    async def serving(self, count: int) -> None:
+        """Return once `count` streams have been opened to this end (their OPEN has arrived)."""
+        while len(self.served) < count:
+            self._opened.clear()
+            await self._opened.wait()
 
     async def handler(self, request: web.Request) -> web.StreamResponse:
         ws = web.WebSocketResponse(protocols=[link.SUBPROTOCOL], max_msg_size=link.receive_limit(LIMIT))
@@ -32,11 +65,29 @@ class Peer:
             peer="client",
             frame_limit=LIMIT,
             dialled=False,
-            on_open=lambda s: self.served.append(asyncio.get_running_loop().create_task(self.serve(s))),
+            on_open=self._open,
         )
         self.links.append(answered)
         await answered.run()
         return ws
+
+
+class Reports(list[tuple[bool, int]]):
+    """A pool's `report` callback: what it reported, in order, as (up, streams the link had opened)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._changed = asyncio.Event()
+
+    def __call__(self, dialled: link.Link, up: bool) -> None:
+        self.append((up, dialled.opened))
+        self._changed.set()
+
+    async def count(self, count: int) -> None:
+        """Return once `count` reports have come."""
+        while len(self) < count:
+            self._changed.clear()
+            await self._changed.wait()
 
 
 async def echo(stream: link.Stream) -> None:
@@ -52,7 +103,7 @@ async def served() -> AsyncIterator[Callable[[Callable[[link.Stream], Any]], Any
     runners: list[web.AppRunner] = []
     sessions: list[aiohttp.ClientSession] = []
 
-    async def start(serve: Callable[[link.Stream], Any]) -> tuple[Peer, link.LinkPool, list[tuple[bool, int]]]:
+    async def start(serve: Callable[[link.Stream], Any]) -> tuple[Peer, link.LinkPool, Reports]:
         peer = Peer(serve)
         app = web.Application()
         app.router.add_get("/replication", peer.handler)
@@ -64,16 +115,14 @@ async def served() -> AsyncIterator[Callable[[Callable[[link.Stream], Any]], Any
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         http = aiohttp.ClientSession()
         sessions.append(http)
-        reports: list[tuple[bool, int]] = []
+        reports = Reports()
 
         async def dial(url: str) -> Any:
             return await http.ws_connect(
                 url, protocols=[link.SUBPROTOCOL, wire.SUBPROTOCOL], max_msg_size=link.receive_limit(LIMIT)
             )
 
-        pool = link.LinkPool(
-            dial, frame_limit=LIMIT, report=lambda dialled, up: reports.append((up, dialled.opened)), idle_grace=0.2
-        )
+        pool = link.LinkPool(dial, frame_limit=LIMIT, report=reports, idle_grace=0.2)
         pool.url = f"http://127.0.0.1:{port}/replication"  # type: ignore[attr-defined]
         return peer, pool, reports
 
@@ -125,7 +174,9 @@ async def test_a_stream_whose_reader_stalls_holds_up_only_itself(served: Any) ->
     (stalled,) = stalled_end
     assert sum(len(m.data) for m in stalled._inbox) == LIMIT  # buffered: exactly the credit, no more
     await stalled.receive()  # a quarter of the window taken: kept, to be granted with more
-    await asyncio.sleep(0.05)
+    # One round trip on the same link: a CREDIT the answering end sent before its echo has arrived by now.
+    await frames.send(fast, wire.Ack(seq=50))
+    assert await frames.receive(fast, 5) == wire.Ack(seq=50)
     assert not blocked.done()
     await stalled.receive()  # half of it: granted back, and the blocked send goes out
     await asyncio.wait_for(blocked, 5)
@@ -178,7 +229,7 @@ async def test_an_open_from_the_answering_end_or_a_frame_for_a_stream_never_open
     for bad in (link.frame(link.OPEN, 7, b"\x00\x00\x01\x00"), link.frame(link.DATA, 99, b"x")):
         peer, pool, _ = await served(hold)
         stream = await pool.open("b", "k", pool.url)
-        await asyncio.sleep(0.05)
+        await within("the stream's OPEN at the answering end", peer.serving(1))
         await peer.links[0].send(bad)
         message = await asyncio.wait_for(stream.receive(), 5)
         assert message.type == WSMsgType.CLOSE and message.data == wire.CLOSE_POLICY
@@ -188,13 +239,15 @@ async def test_an_open_from_the_answering_end_or_a_frame_for_a_stream_never_open
 async def test_a_link_without_streams_closes_after_its_grace_and_the_next_stream_dials_again(served: Any) -> None:
     peer, pool, reports = await served(echo)
     stream = await pool.open("b", "k", pool.url)
+    # Each stream's OPEN arrives before its CLOSE is sent: a CLOSE that overtook it would end the link at once.
+    await within("the stream's OPEN at the answering end", peer.serving(1))
     await frames.close(stream, wire.CLOSE_NORMAL, "done")
     reopened = await pool.open("b", "k", pool.url)  # within the grace: the same link
     assert len(peer.links) == 1
+    await within("the second stream's OPEN at the answering end", peer.serving(2))
     await frames.close(reopened, wire.CLOSE_NORMAL, "done")
-    async with asyncio.timeout(5):
-        while pool.links():  # noqa: ASYNC110 - the pool reports a link's end only to its callback
-            await asyncio.sleep(0.05)
+    await within("the idle link's end reported", reports.count(2))
+    assert not pool.links()
     assert reports == [(True, 0), (False, 2)]
     again = await pool.open("b", "k", pool.url)
     assert len(peer.links) == 2
@@ -255,7 +308,9 @@ async def test_closing_a_stream_from_this_end_ends_a_receive_and_a_send_waiting_
     await asyncio.wait_for(stream.send_bytes(b"x" * LIMIT), 5)  # the whole credit: the next send waits
     receiving = asyncio.get_running_loop().create_task(frames.receive(stream, 5))
     sending = asyncio.get_running_loop().create_task(stream.send_bytes(b"y"))
-    await asyncio.sleep(0.05)
+    await within(
+        "the receive and the send waiting on the stream", until(lambda: waiting(receiving) and waiting(sending))
+    )
     await frames.close(stream, wire.CLOSE_GOING_AWAY, "database deleted")
     with pytest.raises(wire.PeerClosed):
         await receiving

@@ -14,7 +14,7 @@ from collections import Counter, defaultdict
 from replicator.coordinator.admin import status_document
 from replicator.coordinator.links import DIAL_SHARE_WINDOW, Links
 from replicator.coordinator.node import Node
-from replicator.coordinator.setup_scheduler import SetupScheduler
+from replicator.coordinator.setup_scheduler import SetupScheduler, Sweep
 from replicator.shared import messages
 from replicator.shared.keys import connection_key
 from replicator.workers.session import DIAL_TIMEOUT
@@ -30,9 +30,33 @@ def sharing_node(loop: VirtualTimeLoop, slots: int = 2) -> tuple[Node, FakeSuper
     return node, supervisor
 
 
+def b_holds(node: Node, count: int, version: int = 1) -> None:
+    """Peer b (port 2000) holds `count` databases, and the system database, at `version` of its view."""
+    add(node, peer("b", 2000, holds=databases(count), version=version))
+
+
+def key_of(node: Node, name: str) -> str:
+    return connection_key(node.views[name].url)
+
+
 def link(node: Node, slot: int, name: str, up: bool, streams: int = 0) -> None:
-    key = connection_key(node.views[name].url)
+    key = key_of(node, name)
     node.on_worker_message(slot, messages.LinkState(worker=slot, peer=name, key=key, up=up, streams=streams))
+
+
+def links_of_both_workers(node: Node, name: str, up: bool, streams: int = 0) -> None:
+    for slot in (0, 1):
+        link(node, slot, name, up, streams)
+
+
+def claim_times(ladder: Sweep) -> list[float]:
+    """When each slot of the ladder was claimed."""
+    return [round(when, 9) for when in ladder.claimed]
+
+
+def kicks(supervisor: FakeSupervisor) -> list[float]:
+    """When each force reconnect was sent."""
+    return [round(when, 9) for when, _, _ in supervisor.of(messages.ForceReconnect)]
 
 
 def sent(supervisor: FakeSupervisor, since: float = 0.0) -> list[tuple[float, int, str, str]]:
@@ -62,7 +86,7 @@ def test_the_share_window_is_the_workers_dial_timeout() -> None:
 
 def test_a_hundred_pairs_of_one_peer_on_two_workers_take_one_slot_per_worker(loop: VirtualTimeLoop) -> None:
     node, supervisor = sharing_node(loop)
-    add(node, peer("b", 2000, holds=databases(99)))  # and the system database: 100 pairs
+    b_holds(node, 99)  # and the system database: 100 pairs
     loop.advance(2.0)
     setups = sent(supervisor)
     assert len(setups) == 100
@@ -77,32 +101,30 @@ def test_a_hundred_pairs_of_one_peer_on_two_workers_take_one_slot_per_worker(loo
     assert setups[0][1] == first and setups[50][1] == second  # the dial goes first, its streams after it
     assert Counter(when for when, *_ in setups) == {0.3: 50, round(0.3 + STAGGER, 9): 50}
     # Only the two dials claimed slots: a later handshake keeps `stagger` from the second, not from the streams.
-    assert [round(when, 9) for when in node.ladder.claimed] == [0.3, round(0.3 + STAGGER, 9)]
+    assert claim_times(node.ladder) == [0.3, round(0.3 + STAGGER, 9)]
 
 
 def test_without_link_sharing_every_setup_takes_a_slot(loop: VirtualTimeLoop) -> None:
     node, supervisor = make_node(loop)  # workers that said nothing of links: one dial per pair
-    add(node, peer("b", 2000, holds=databases(9)))
+    b_holds(node, 9)
     loop.advance(2.0)
     assert [when for when, *_ in sent(supervisor)] == [round(0.3 + STAGGER * i, 9) for i in range(10)]
 
 
 def test_on_a_live_link_setups_go_at_their_own_time_and_a_link_down_takes_a_slot_again(loop: VirtualTimeLoop) -> None:
     node, supervisor = sharing_node(loop)
-    add(node, peer("b", 2000, holds=databases(3)))
+    b_holds(node, 3)
     loop.advance(2.0)
-    link(node, 0, "b", up=True, streams=2)
-    link(node, 1, "b", up=True, streams=2)
+    links_of_both_workers(node, "b", up=True, streams=2)
     # Two new databases on live links: no slot, both at their own due time.
-    add(node, peer("b", 2000, holds=databases(5), version=2))
+    b_holds(node, 5, version=2)
     loop.advance(1.0)
     new = sent(supervisor, since=2.0)
     assert sorted(worker for _, worker, *_ in new) == [0, 1]
     assert [when for when, *_ in new] == [2.3, 2.3]
     # Both links close (less than the share window after their dials): the next setups dial, `stagger` apart.
-    link(node, 0, "b", up=False)
-    link(node, 1, "b", up=False)
-    add(node, peer("b", 2000, holds=databases(7), version=3))
+    links_of_both_workers(node, "b", up=False)
+    b_holds(node, 7, version=3)
     loop.advance(1.0)
     again = sent(supervisor, since=3.0)
     assert sorted(worker for _, worker, *_ in again) == [0, 1]
@@ -111,17 +133,17 @@ def test_on_a_live_link_setups_go_at_their_own_time_and_a_link_down_takes_a_slot
 
 def test_a_dial_is_shared_only_within_the_window(loop: VirtualTimeLoop) -> None:
     node, supervisor = sharing_node(loop, slots=1)
-    add(node, peer("b", 2000, holds=databases(1)))
+    b_holds(node, 1)
     loop.advance(1.0)
     assert [when for when, *_ in sent(supervisor)] == [0.3, 0.3]  # one dial, one stream sharing it
     # Within the window, with no report since, a new database shares the dial in flight.
-    add(node, peer("b", 2000, holds=databases(2), version=2))
+    b_holds(node, 2, version=2)
     loop.advance(1.0)
     assert [when for when, *_ in sent(supervisor, since=1.0)] == [1.3]
     # Past the window the dial has come up (and been reported) or failed: two new databases dial once again.
     loop.advance_to(0.3 + DIAL_SHARE_WINDOW + 1.0)
     start = loop.time()
-    add(node, peer("b", 2000, holds=databases(4), version=3))
+    b_holds(node, 4, version=3)
     loop.advance(1.0)
     assert [when for when, *_ in sent(supervisor, since=start)] == [round(start + 0.3, 9)] * 2
     assert round(node.ladder.claimed[-1], 9) == round(start + 0.3, 9)  # the first of them took a slot
@@ -129,11 +151,10 @@ def test_a_dial_is_shared_only_within_the_window(loop: VirtualTimeLoop) -> None:
 
 def test_a_respawned_worker_forgets_its_links(loop: VirtualTimeLoop) -> None:
     node, supervisor = sharing_node(loop)
-    add(node, peer("b", 2000, holds=databases(3)))
+    b_holds(node, 3)
     loop.advance(2.0)
-    link(node, 0, "b", up=True, streams=2)
-    link(node, 1, "b", up=True, streams=2)
-    key = connection_key(node.views["b"].url)
+    links_of_both_workers(node, "b", up=True, streams=2)
+    key = key_of(node, "b")
     assert status_document(node)["connections"][0]["links"] == [0, 1]
     # Worker 0 dies: its pairs move to worker 1, whose link is up, with no slot, at their own due time (their second
     # setup: 0.5 s on their schedule).
@@ -147,18 +168,18 @@ def test_a_respawned_worker_forgets_its_links(loop: VirtualTimeLoop) -> None:
     # Respawned, it starts with no link: its first setup dials (a slot), the next shares that dial.
     supervisor.workers[0].alive = True
     node.on_worker_message(0, messages.Ready(worker=0, pid=200, links=True))
-    add(node, peer("b", 2000, holds=databases(5), version=2))
+    b_holds(node, 5, version=2)
     loop.advance(1.0)
     new = sent(supervisor, since=3.0)
     assert [(when, worker) for when, worker, *_ in new] == [(3.3, 0), (3.3, 0)]
-    assert [round(when, 9) for when in node.ladder.claimed] == [3.3]  # the older claims are pruned
+    assert claim_times(node.ladder) == [3.3]  # the older claims are pruned
 
 
 def test_a_ready_without_links_forgets_what_the_slot_shared(loop: VirtualTimeLoop) -> None:
     node, _ = sharing_node(loop, slots=1)
-    add(node, peer("b", 2000, holds=databases(1)))
+    b_holds(node, 1)
     link(node, 0, "b", up=True)
-    key = connection_key(node.views["b"].url)
+    key = key_of(node, "b")
     assert not node.links.needs_slot((0, key), loop.time())
     node.on_worker_message(0, messages.Ready(worker=0, pid=300))  # a respawn by a worker that dials per pair
     assert node.links.needs_slot((0, key), loop.time())
@@ -166,7 +187,7 @@ def test_a_ready_without_links_forgets_what_the_slot_shared(loop: VirtualTimeLoo
 
 def test_two_peers_keep_their_dials_stagger_apart(loop: VirtualTimeLoop) -> None:
     node, supervisor = sharing_node(loop)
-    add(node, peer("b", 2000, holds=databases(9)))
+    b_holds(node, 9)
     add(node, peer("c", 3000, holds=databases(9)))
     loop.advance(2.0)
     setups = sent(supervisor)
@@ -179,15 +200,15 @@ def test_two_peers_keep_their_dials_stagger_apart(loop: VirtualTimeLoop) -> None
     dials = sorted(next(iter(at)) for at in times.values())
     assert dials == [round(0.3 + STAGGER * i, 9) for i in range(4)]
     assert {name for name, _ in times} == {"b", "c"}
-    assert [round(when, 9) for when in node.ladder.claimed] == dials
+    assert claim_times(node.ladder) == dials
 
 
 def wedged_node(loop: VirtualTimeLoop) -> tuple[Node, FakeSupervisor]:
     """Two pairs of b on worker 0, accepted and never connected, wedged once the threshold has passed."""
     node, supervisor = sharing_node(loop, slots=1)
-    add(node, peer("b", 2000, holds=databases(1)))
+    b_holds(node, 1)
     loop.advance(1.0)
-    key = connection_key(node.views["b"].url)
+    key = key_of(node, "b")
     for database in ("system", "db000"):
         node.on_worker_message(0, messages.SubscribeAccepted(key=key, database=database, dispatch=1))
     loop.advance_to(WEDGE + 1.0)
@@ -200,8 +221,7 @@ def test_force_reconnects_on_a_live_link_take_no_slot(loop: VirtualTimeLoop) -> 
     claimed = node.ladder.claimed
     node.reconcile()  # one re-drive per entry, one database per firing: base 0.3 s
     loop.advance(1.0)
-    kicks = [(round(when, 9), message.database) for when, _, message in supervisor.of(messages.ForceReconnect)]
-    assert [when for when, _ in kicks] == [WEDGE + 1.3, WEDGE + 1.3]
+    assert kicks(supervisor) == [WEDGE + 1.3, WEDGE + 1.3]
     assert node.ladder.claimed == claimed
 
 
@@ -209,8 +229,7 @@ def test_force_reconnects_with_the_link_down_take_slots(loop: VirtualTimeLoop) -
     node, supervisor = wedged_node(loop)
     node.reconcile()
     loop.advance(1.0)
-    kicks = [round(when, 9) for when, _, _ in supervisor.of(messages.ForceReconnect)]
-    assert kicks == [WEDGE + 1.3, round(WEDGE + 1.3 + STAGGER, 9)]
+    assert kicks(supervisor) == [WEDGE + 1.3, round(WEDGE + 1.3 + STAGGER, 9)]
 
 
 def test_a_force_reconnect_armed_on_a_live_link_that_closes_takes_a_slot(loop: VirtualTimeLoop) -> None:
@@ -219,9 +238,8 @@ def test_a_force_reconnect_armed_on_a_live_link_that_closes_takes_a_slot(loop: V
     node.reconcile()
     link(node, 0, "b", up=False)  # before the re-drive fires
     loop.advance(1.0)
-    kicks = [round(when, 9) for when, _, _ in supervisor.of(messages.ForceReconnect)]
-    assert kicks == [WEDGE + 1.3, round(WEDGE + 1.3 + STAGGER, 9)]
-    assert [round(when, 9) for when in node.ladder.claimed][-2:] == kicks
+    assert kicks(supervisor) == [WEDGE + 1.3, round(WEDGE + 1.3 + STAGGER, 9)]
+    assert claim_times(node.ladder)[-2:] == kicks(supervisor)
 
 
 def test_a_setup_waiting_for_a_dial_that_is_cancelled_claims_its_own_slot(loop: VirtualTimeLoop) -> None:
@@ -247,4 +265,4 @@ def test_a_setup_waiting_for_a_dial_that_is_cancelled_claims_its_own_slot(loop: 
     loop.advance(1.0)
     # b dials itself on the first free slot, `stagger` after x.
     assert dispatched == [(0.3, "x"), (0.35, "b")]
-    assert [round(when, 9) for when in ladder.claimed] == [0.3, 0.35]
+    assert claim_times(ladder) == [0.3, 0.35]
