@@ -101,6 +101,7 @@ class Stream:
         self.closed = False
         self.close_code: int | None = None
         self._ended = False  # the peer's CLOSE or the link's end arrived
+        self.opening: asyncio.Task[None] | None = None  # the send of its OPEN (the dialling end's streams)
 
     # -- the WebSocket interface ---------------------------------------------------------------------
 
@@ -138,6 +139,10 @@ class Stream:
         self._deliver(WSMessage(WSMsgType.CLOSED, None, None))
         self._credit_changed.set()
         if not self._ended:
+            if self.opening is not None:
+                # A stream closed as soon as it was opened: its OPEN is still queued, and a CLOSE before it would be
+                # a frame for a stream never opened, which ends the whole link and every other stream on it.
+                await self.opening
             reason = message.decode(errors="replace")
             await self._link.send(frame(CLOSE, self.id, close_payload(code, reason)), quiet=True)
         self._link.forget(self)
@@ -217,7 +222,8 @@ class Link:
         return not self.closed and not self.ws.closed
 
     def open_stream(self) -> Stream:
-        """A new stream (the dialling end only); its OPEN goes out before any DATA of it (one send lock)."""
+        """A new stream (the dialling end only). Its OPEN goes out before any other frame of it: a DATA waits for the
+        credit the answer to the OPEN grants, and a CLOSE for the OPEN's send (`Stream.opening`)."""
         if not self.alive:
             raise ConnectionResetError(f"the link to {self.peer} is closed")
         if len(self.streams) >= MAX_STREAMS:
@@ -226,11 +232,11 @@ class Link:
         stream = Stream(self, self._last_id, credit=0)
         self.streams[stream.id] = stream
         self.opened += 1
-        self.send_nowait(frame(OPEN, stream.id, _COUNT.pack(self.frame_limit)))
+        stream.opening = self.send_nowait(frame(OPEN, stream.id, _COUNT.pack(self.frame_limit)))
         return stream
 
-    def send_nowait(self, data: bytes) -> None:
-        asyncio.get_running_loop().create_task(self.send(data, quiet=True))
+    def send_nowait(self, data: bytes) -> asyncio.Task[None]:
+        return asyncio.get_running_loop().create_task(self.send(data, quiet=True))
 
     async def send(self, data: bytes, *, quiet: bool = False) -> None:
         """One link frame; `quiet`: a failure (the link is ending) is not the caller's."""

@@ -150,6 +150,22 @@ async def hold(stream: link.Stream) -> None:
     await asyncio.Event().wait()
 
 
+async def test_a_stream_closed_as_soon_as_it_is_opened_leaves_the_link_and_its_other_streams_alone(served: Any) -> None:
+    peer, pool, reports = await served(echo)
+    other = await pool.open("b", "k", pool.url)
+    await frames.send(other, wire.Ack(seq=1))
+    assert await frames.receive(other, 5) == wire.Ack(seq=1)
+    brief = await pool.open("b", "k", pool.url)
+    # Closed before its OPEN has gone out (an unsubscribe right after a subscribe): the CLOSE follows the OPEN.
+    await frames.close(brief, wire.CLOSE_NORMAL, "unsubscribed")
+    await within("the brief stream served and ended at the answering end", peer.serving(2))
+    await within("the brief stream's serving task", asyncio.wait({peer.served[1]}))
+    await frames.send(other, wire.Ack(seq=2))
+    assert await frames.receive(other, 5) == wire.Ack(seq=2)
+    assert len(peer.links) == 1 and peer.links[0].alive and reports == [(True, 0)]
+    await pool.close()
+
+
 async def test_a_stream_whose_reader_stalls_holds_up_only_itself(served: Any) -> None:
     stalled_end: list[link.Stream] = []
 
