@@ -1,15 +1,19 @@
 """Placement by (peer, database) with real processes: the pairs of one peer spread over every worker of a node, and
-a killed worker's pairs, only those, move to the other workers, spread over them, while the data converges."""
+a killed worker's pairs, only those, move to the other workers, spread over them, and come back to its respawned
+worker once it has stayed up, while the data converges."""
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 from collections import Counter
+from typing import Any
 
 import psutil
 import pytest
 
+from replicator.coordinator.supervisor import RESPAWN_HEALTHY_UPTIME
 from tests.integration.conftest import assert_identical, connected_pairs, wait_for, write_each
 
 DATABASES = [f"db{i}" for i in range(1, 7)]
@@ -75,6 +79,19 @@ async def test_one_peers_pairs_spread_over_three_workers_and_a_killed_workers_pa
         }
         for database in moved:
             assert (database, after[database]) in dispatched and (database, after[database]) in connected
+
+        # Once the respawned worker has stayed up, pairs come back to it from the workers above an even share.
+        async def rebalanced() -> list[dict[str, Any]] | None:
+            found = await connected_pairs(cluster, "a", "b", PAIRS, with_session=True)
+            if found is None or not any(p["worker"] == victim for p in found):
+                return None
+            return found
+
+        back = await wait_for(rebalanced, 90, "pairs moved back onto the respawned worker")
+        assert max(Counter(p["worker"] for p in back).values()) <= math.ceil(PAIRS / 3), back
+        rebalances = [e for e in cluster["a"].events("worker_rebalanced") if e["ts"] > killed_at]
+        assert rebalances and rebalances[0]["worker"] == victim and rebalances[0]["moved"] >= 1, rebalances
+        assert rebalances[0]["ts"] - killed_at >= RESPAWN_HEALTHY_UPTIME
 
         await write_each(cluster, ["a", "b"], DATABASES, "after")
         for database in DATABASES:
