@@ -372,6 +372,11 @@ class LinkPool:
     def links(self) -> list[Link]:
         return [link for link in self._links.values() if link.alive]
 
+    def live(self, url: str) -> bool:
+        """Whether a stream to `url` would go over a live link now, without a dial."""
+        link = self._links.get(url)
+        return link is not None and link.alive
+
     async def open(self, peer: str, key: str, url: str) -> Any:
         """A stream to `url`, or, to a peer that speaks no links, a socket of its own."""
         while True:

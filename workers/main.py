@@ -369,6 +369,10 @@ class Worker:
             log.info("connection_closed", peer=peer, worker=self.worker_id, streams=dialled.opened)
         state = messages.LinkState(worker=self.worker_id, peer=peer, key=key, up=up, streams=dialled.opened)
         self.report(state)
+        if up:
+            for session in self._sessions.values():
+                if session.sub.key == key:
+                    session.peer_back()
 
     def _doorbell(self, directory: Path) -> Doorbell | None:
         """This worker's commit doorbell; without one, commits of the other processes reach its senders by the

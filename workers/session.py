@@ -18,9 +18,11 @@ The schedule paces one pair; the pairs of one peer together are held to the peer
 (`WorkerContext.redial_budget`, `shared.retry_budget`): a redial after a backoff delay takes a token, and when there
 is none it is skipped, not queued: the pair waits another delay of its own schedule, still WAITING, and asks again.
 A redial that connects hands its token back, so only failed dials spend the budget, and once the peer is back the
-tokens its accepted dials return let the other pairs through on their own schedules: a node's recovery takes about
-one backoff cap, however many databases it holds of the peer (a queue of reservations would hold the last pair
-pairs / rate seconds).
+tokens its accepted dials return let the other pairs through on their own schedules (a queue of reservations would
+hold the last pair pairs / rate seconds). Over a worker's link (issue 23) a redial while the link is up is a stream,
+not a dial: it takes no token; and when a link to the peer comes up, every pair of that peer waiting on this worker
+tries at once (`peer_back`), so a node's return brings its pairs back within a dial and one stream setup each,
+instead of one backoff cap.
 """
 
 from __future__ import annotations
@@ -194,6 +196,14 @@ class PeerSession:
         self._wake.set()
         return True
 
+    def peer_back(self) -> None:
+        """A link of this worker to the pair's peer has just come up: the peer answers again. A session waiting out a
+        backoff delay (or a deferred redial) tries now: over the live link a new session is a stream opened with
+        one frame, not a TLS dial, so it needs no wait and no token of the redial budget. Link-ups are dials, which
+        the coordinator's ladder spaces, so this wakes each pair at most once per dial."""
+        if self.state is State.WAITING:
+            self._wake.set()
+
     def stop(self, going_away: bool = False) -> None:
         """Unsubscribe: no live session may remain, whatever the session was doing (handshake included)."""
         if self.state is State.CLOSED:
@@ -284,12 +294,13 @@ class PeerSession:
     async def _take_token(self, error: str) -> None:
         """Take a token of the peer's redial budget for the dial due now; while the budget is spent, skip the dial
         and wait another delay of the pair's own schedule. Only a dial after a backoff delay comes here: the first
-        dial and a forced reconnect take none. Woken while it waits (closed, or a forced reconnect, which dials
-        without a token), the session stops asking."""
+        dial and a forced reconnect take none, and neither does an attempt that a live link of this worker will
+        carry (a stream, not a dial). Woken while it waits (closed, a forced reconnect, which dials without a token,
+        or the peer's link up: `peer_back`), the session stops asking."""
         budget = self._ctx.redial_budget(self.peer, self._loop)
         if budget is None:
             return
-        while not budget.take():
+        while not self._linked() and not budget.take():
             wait = self._backoff.next_delay()
             assert wait is not None  # the reconnect schedule never exhausts
             self._ctx.counters.inc("replicator_redials_deferred_total", self.peer)
@@ -304,7 +315,12 @@ class PeerSession:
             self._report_disconnected(error, wait)
             if await self._pause(wait):
                 return
-        self._token = budget
+        if not self._linked():
+            self._token = budget
+
+    def _linked(self) -> bool:
+        """Whether the next attempt goes over a live link of this worker (a stream, not a dial)."""
+        return self._links is not None and self._links.live(self._url())
 
     def _outcome(self, attempt: asyncio.Task[None]) -> str:
         if attempt.cancelled():
@@ -351,8 +367,11 @@ class PeerSession:
             )
         )
 
+    def _url(self) -> str:
+        return self.sub.url.rstrip("/") + "/replication"
+
     async def _dial(self) -> Any:
-        url = self.sub.url.rstrip("/") + "/replication"
+        url = self._url()
         if self._links is not None:
             return await self._links.open(self.peer, self.sub.key, url)
         return await dial_socket(self._http, self._ctx, url, [wire.SUBPROTOCOL])

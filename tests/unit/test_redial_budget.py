@@ -312,3 +312,71 @@ def test_a_reload_replaces_a_budget_whose_rate_or_burst_changed(
 def test_a_rate_too_slow_to_ever_redial_is_refused(rate: float) -> None:
     with pytest.raises(ConfigError, match=r"key 'replication.redial_rate': must be 0 \(no budget\) or at least 0.01"):
         config(redial_rate=rate)
+
+
+class Links:
+    """The worker's link pool as the sessions see it: whether a live link to the peer would carry the next attempt."""
+
+    def __init__(self) -> None:
+        self.up = False
+
+    def live(self, url: str) -> bool:
+        assert url == URL + "/replication"
+        return self.up
+
+
+def _linked(node: Node, pairs: int) -> tuple[list[PeerSession], Links]:
+    links = Links()
+    sessions = node.start(pairs, rng=random.Random(7).random)
+    for session in sessions:
+        session._links = links  # type: ignore[assignment]
+    return sessions, links
+
+
+def test_when_a_link_to_the_peer_comes_up_every_waiting_pair_tries_at_once_without_a_token(
+    make_node: Callable[..., Node], loop: VirtualTimeLoop
+) -> None:
+    """The worker tells each pair of the peer when its link comes up (`peer_back`): over the live link a new session
+    is a stream, so the pairs waiting out delays of up to the 30 s cap, their budget spent, all try now."""
+    node = make_node(redial_rate=0.01, redial_burst=1)
+    sessions, links = _linked(node, 200)
+    loop.advance_to(300.0)
+    budget = node.budget()
+    granted = budget.granted
+    node.peer.come_up()
+    links.up = True
+    for session in sessions:
+        session.peer_back()
+    loop.advance(0.001)
+    assert all(session.state is State.STREAMING for session in sessions)
+    back = [dial for dial in node.peer.redials() if dial[0] >= 300.0]
+    assert sorted(database for _, database, _ in back) == sorted(s.database for s in sessions)
+    assert all(when == 300.0 and connected for when, _, connected in back)
+    assert budget.granted == granted  # no token taken: none was a dial
+
+
+def test_a_redial_due_while_the_link_is_up_takes_no_token(
+    make_node: Callable[..., Node], loop: VirtualTimeLoop
+) -> None:
+    node = make_node(redial_rate=0.01, redial_burst=1)
+    sessions, links = _linked(node, 50)
+    loop.advance_to(300.0)
+    budget = node.budget()
+    granted, deferred = budget.granted, budget.deferred
+    node.peer.come_up()
+    links.up = True  # up, but no pair was told: each goes at its own time, within one cap
+    loop.advance_to(331.0)
+    assert all(session.state is State.STREAMING for session in sessions)
+    assert (budget.granted, budget.deferred) == (granted, deferred)
+
+
+def test_peer_back_leaves_a_streaming_pair_alone(make_node: Callable[..., Node], loop: VirtualTimeLoop) -> None:
+    node = make_node()
+    node.peer.come_up()
+    (session,), links = _linked(node, 1)
+    links.up = True
+    loop.advance(1.0)
+    assert session.state is State.STREAMING
+    session.peer_back()
+    loop.advance(1.0)
+    assert session.state is State.STREAMING and len(node.peer.dials) == 1
