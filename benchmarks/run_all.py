@@ -173,6 +173,24 @@ BENCHES = [
             "targets_met.pss_per_database",
         ],
     ),
+    Bench(
+        "spread_throughput",
+        "spread_throughput.py",
+        "records spread over 1,000 databases against one database: replicated rate, CPU per record, write-to-visible",
+        quick=["--databases", "20", "--records", "2000", "--samples", "20"],
+        headline=[
+            "phases.one.rate_per_s",
+            "phases.spread.rate_per_s",
+            "ratios_spread_over_one.rate",
+            "ratios_spread_over_one.cpu_per_record.a",
+            "ratios_spread_over_one.cpu_per_record.b",
+            "latency.one.p99_ms",
+            "latency.spread.p99_ms",
+            "ratios_spread_over_one.latency_p99",
+            "targets.spread_rate_at_least_one.met",
+            "targets.latency_not_worse.met",
+        ],
+    ),
 ]
 
 
