@@ -52,6 +52,9 @@ def test_tokens_round_trip_merge_per_origin_and_refuse_what_they_cannot_hold() -
     assert confirm.parse_token(token) == {"a": 12, "b": 7}
     # A client that joins two tokens by a comma gets their merge.
     assert confirm.parse_token("a=12,b=7, a=15") == {"a": 15, "b": 7}
+    # The cap is on origins, not on entries: the joined tokens of 500 writes to two nodes name two origins.
+    joined = ",".join(f"{'ab'[i % 2]}={i + 1}" for i in range(500))
+    assert confirm.parse_token(joined) == {"a": 499, "b": 500}
     assert confirm.merge({"a": 12, "b": 7}, {"a": 3, "c": 1}) == {"a": 12, "b": 7, "c": 1}
     assert confirm.missing({"a": 12, "b": 7}, {"a": 12, "b": 6}) == {"b": 6}
     assert confirm.missing({"a": 12}, {}) == {"a": 0}
