@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from replicator.shared.store import SYSTEM, Database, Store
+from replicator.shared.store import RELEASE_PER_ROUND, SYSTEM, Database, Store
 
 
 @pytest.fixture
@@ -79,6 +79,23 @@ def test_a_database_idle_for_two_rounds_and_held_by_nobody_is_closed_and_opens_a
     assert again.get("t", "a") is not None and again.get("t", "a").value == _value(1)
     again.put("t", "b", _value(2))
     assert [e.id for e in again.origin_entries("a", 0, 10)] == ["a", "b"]
+
+
+def test_a_trim_round_closes_at_most_its_share_of_idle_databases_and_the_next_rounds_the_rest(store: Store) -> None:
+    """Closing a database syncs its file on the process's loop: a round closes at most RELEASE_PER_ROUND, however
+    many went idle together, and the following rounds close the others."""
+    count = 2 * RELEASE_PER_ROUND + 3
+    for i in range(count):
+        store.database(f"db{i}", create=True).put("t", "a", _value(i))
+    store.trim()
+    assert store.trim() == count  # lean, none closed yet
+    closed = []
+    while any(name.startswith("db") for name in store._databases):
+        before = len(store._databases)
+        store.trim()
+        closed.append(before - len(store._databases))
+    assert closed == [RELEASE_PER_ROUND, RELEASE_PER_ROUND, 3]
+    assert all(store.database(f"db{i}").get("t", "a").value == _value(i) for i in range(count))
 
 
 def test_a_database_someone_holds_or_uses_is_never_closed(store: Store) -> None:
