@@ -58,6 +58,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 
@@ -84,6 +85,10 @@ NODES = "nodes"
 DROPPED = "dropped"
 
 BUSY_TIMEOUT = 10.0
+# Databases closed at once by `Store.close`. Closing a file's last connection checkpoints its WAL into the file and
+# syncs both, some milliseconds a file on a real disk; the file system commits concurrent syncs together (300 files
+# on a VM's disk: 3.7 s one after another, 0.13 s 16 at once; 64 at once no faster).
+CLOSE_THREADS = 16
 # IN-list lengths of the batched lookup: a chunk is padded up to the next size, so the statement cache
 # holds four statements instead of one per batch length.
 _IN_SIZES = (1, 8, 64, 512)
@@ -2020,11 +2025,20 @@ class Store:
         raise RefusedFile(name, path, reason)
 
     def close(self) -> None:
+        """Close every open database, CLOSE_THREADS at once, each close still checkpointing and syncing what was
+        committed: one after another, a thousand databases take longer than a worker's shutdown deadline."""
         with self._lock:
             databases = list(self._databases.values())
             self._databases.clear()
-        for db in databases:
-            db.close()
+        if len(databases) <= 1:
+            for db in databases:
+                db.close()
+            return
+        with ThreadPoolExecutor(min(CLOSE_THREADS, len(databases)), thread_name_prefix="store-close") as pool:
+            # Every close is submitted and runs even when one fails; the first failure is raised once all are done.
+            closes = [pool.submit(db.close) for db in databases]
+        for close in closes:
+            close.result()
 
     def trim(self) -> int:
         """Make every open database nobody committed to since the last call lean (`Database.trim`), and close the

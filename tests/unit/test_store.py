@@ -853,3 +853,57 @@ def test_trim_never_waits_for_a_caller_and_skips_a_closed_database(store: Store)
     assert seen == [False] and db.get("t", "busy") is not None
     db.close()
     assert db.trim() is False  # closed: nothing to trim, no error
+
+
+# -- closing ----------------------------------------------------------------------------------------------------
+
+
+def test_the_store_closes_its_databases_at_once_and_each_close_still_checkpoints(
+    tmp_path: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Closing a file's last connection checkpoints its WAL and syncs the file: one at a time, a worker holding a
+    # thousand databases spent longer than its shutdown deadline here. A close that waits at a barrier for three
+    # others to have begun passes only when closes run at once; one after another the barrier breaks.
+    store = Store(tmp_path / "a", "a", clock=clock)
+    names = [f"db{index}" for index in range(8)]
+    versions = {name: store.database(name, create=True).put("t", "x", name.encode()) for name in names}
+    assert all((tmp_path / "a" / f"{name}.sqlite-wal").exists() for name in names)
+    together = threading.Barrier(4, timeout=10.0)  # a deadline on the condition, not a measure of speed
+    closing_threads: set[str] = set()
+    close = Database.close
+
+    def close_together(self: Database) -> None:
+        closing_threads.add(threading.current_thread().name)
+        together.wait()
+        close(self)
+
+    monkeypatch.setattr(Database, "close", close_together)
+    store.close()
+    monkeypatch.undo()
+
+    assert len(closing_threads) > 1
+    assert not list((tmp_path / "a").glob("*-wal")), "a close skipped its checkpoint"
+    with Store(tmp_path / "a", "a", clock=clock) as again:
+        for name in names:
+            assert again.database(name).get("t", "x") == Entry("t", "x", name.encode(), versions[name], "a", False)
+
+
+def test_a_failed_close_does_not_keep_the_others_open(
+    tmp_path: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = Store(tmp_path / "a", "a", clock=clock)
+    databases = [store.database(f"db{index}", create=True) for index in range(6)]
+    for db in databases:
+        db.put("t", "x", b"1")
+    close = Database.close
+
+    def close_or_fail(self: Database) -> None:
+        close(self)
+        if self is databases[2]:
+            raise sqlite3.OperationalError("disk I/O error")
+
+    monkeypatch.setattr(Database, "close", close_or_fail)
+    with pytest.raises(sqlite3.OperationalError, match="disk I/O error"):
+        store.close()
+    monkeypatch.undo()
+    assert not list((tmp_path / "a").glob("*-wal"))
