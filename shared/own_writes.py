@@ -242,14 +242,20 @@ def defer_rewrite(conn: sqlite3.Connection, peer: str | None, claimed: int) -> N
     _set(conn, key, max(int(_meta(conn, key) or 0), claimed))
 
 
-def take_rewrite(conn: sqlite3.Connection) -> int:
-    """Inside a write transaction, as the recovery ends (every peer has served): the highest claim whose writes
-    again are due (0: none), no longer pending."""
+def pending_rewrite(conn: sqlite3.Connection) -> int:
+    """The highest claim whose writes again wait for the end of the recovery (`defer_rewrite`; 0: none)."""
     claimed = conn.execute(
         "SELECT max(CAST(value AS INTEGER)) FROM meta WHERE substr(key, 1, ?) = ?", (len(_REWRITE), _REWRITE)
     ).fetchone()[0]
-    conn.execute("DELETE FROM meta WHERE substr(key, 1, ?) = ?", (len(_REWRITE), _REWRITE))
     return int(claimed or 0)
+
+
+def take_rewrite(conn: sqlite3.Connection) -> int:
+    """Inside a write transaction, as the recovery ends (every peer has served): the highest claim whose writes
+    again are due (0: none), no longer pending."""
+    claimed = pending_rewrite(conn)
+    conn.execute("DELETE FROM meta WHERE substr(key, 1, ?) = ?", (len(_REWRITE), _REWRITE))
+    return claimed
 
 
 def _rewritten_key(table: str, record_id: str) -> str:

@@ -1188,7 +1188,9 @@ class Database:
         them would never be sent them, and a deletion of the database from before could cover them.
 
         `by_deletion`: `claimed` is a deletion's floor for this node's origin (`drop_through` asks first); it counts
-        only above this file's birth, since a file made after a deletion is born below its floors' reach.
+        only above this file's birth, since a file made after a deletion is born below its floors' reach. Writes
+        again that a peer's claim left pending (below) and that the floor covers are made at once, whether or not
+        the floor rises: the drop would take them at their old versions before the recovery ends (sim seed 34927).
 
         `peer`: the peer whose claim it is. An unknown file writes again only once every peer has served the own
         writes back (`finish_recovery`, `own_writes.defer_rewrite`): one may hold newer versions of them, its node's
@@ -1196,24 +1198,46 @@ class Database:
         # Every subscription asks; almost always the answer is no, and a read answers it without taking the write
         # lock. The write transaction asks again, since another process may have moved first.
         history = self.own_history()
-        if not (history.behind_deletion(claimed) if by_deletion else history.behind(claimed)):
+        if by_deletion:
+            return self._regress_by_deletion(history, claimed)
+        if not history.behind(claimed):
             return False
         with self._write() as conn:
-            if not by_deletion and claimed <= deletion.floors(conn).floor_of(self._node):
+            if claimed <= deletion.floors(conn).floor_of(self._node):
                 return False  # what the peer holds of ours was deleted with the database: nothing to take back
             before = own_writes.read(conn, self._node)
             if not own_writes.regress(conn, self._node, claimed):
                 return False
             if claimed > self._clock_value(conn):
                 self._set_clock(conn, claimed)
-            if not by_deletion and not before.earlier_life(claimed):
-                pass  # the peer got what it holds of ours from this file: nothing to write again
-            elif not by_deletion:
+            if before.earlier_life(claimed):
                 own_writes.defer_rewrite(conn, peer, claimed)
-            else:
-                # A deletion's drop would take them at their old versions: written again before it is applied.
-                self._restamp(conn, own_writes.this_life(conn, self._node, before, claimed), claimed)
+            # Else the peer got what it holds of ours from this file: nothing to write again.
             return True
+
+    def _regress_by_deletion(self, history: own_writes.OwnHistory, floor: int) -> bool:
+        """`regress` for a deletion's floor for this node's origin, before `drop_through` applies it. The drop takes
+        whatever the floor covers at its old version, so the writes this file made since it began that lie at or
+        below the floor and are to be written again above an earlier life's versions are written again now, not
+        when the recovery ends: all of them when the floor reaches past the file (`behind_deletion`), else those a
+        peer's claim left pending (`own_writes.defer_rewrite`). A claim showing the earlier life can arrive first
+        and raise the floor to the deletion's own (the claiming peer's position is the newest version of the
+        earlier life, which the deletion covers): the floor then does not rise, yet the pending writes again lie
+        under it (sim seed 34927: a wiped node's writes made after the deletion, below its earlier life's
+        versions, were dropped on every node)."""
+        if not (history.behind_deletion(floor) or history.unknown):
+            return False
+        with self._write() as conn:
+            before = own_writes.read(conn, self._node)
+            if before.behind_deletion(floor) and own_writes.regress(conn, self._node, floor):
+                if floor > self._clock_value(conn):
+                    self._set_clock(conn, floor)
+                self._restamp(conn, own_writes.this_life(conn, self._node, before, floor), floor)
+                return True
+            pending = own_writes.pending_rewrite(conn)
+            if pending:
+                self._restamp(conn, own_writes.this_life(conn, self._node, before, min(floor, pending)), floor)
+            return False
 
     def _earlier_life(self, conn: sqlite3.Connection, mine: list[Entry], peer: str | None) -> None:
         """Versions of this node's own origin that a peer sent, in an unknown file: any this file did not

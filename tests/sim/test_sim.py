@@ -63,11 +63,14 @@ FOUND_2 = [108, 232, 332, 683, 1179, 1185, 2525, 4987, 5583, 12695, 16894, 17030
 #         that held its marker, and removed, on every node, a write acknowledged before it
 #   51361 (the nemesis) a damaged row's only healthy copy was lost while a newer version covered it, one a deletion
 #         already covered: gone with its database, it left the damaged row the record's newest, never repaired
+#   34927 a wiped node's new file wrote below its earlier life's versions after a deletion; a peer's claim left the
+#         writes again pending and raised the file's floor to the deletion's own, so the deletion's floor called
+#         none of them at once and its drop took them on every node (the pending ones are written again first now)
 #   52604 a recovering (unknown) file's damaged own row repaired with an older own version from a peer that was
 #         "complete" as far as the file's own origin counted (what peers confirmed: nothing), its newer write undone
 #   56804 a wiped node's new file wrote its write of a record again (`this_life`) once the peer whose claim showed its
 #         earlier life had served, above another node's later delete that peer lacked: the delete undone everywhere
-FOUND_3 = [2161, 3603, 5492, 23991, 51361, 52604, 56804]
+FOUND_3 = [2161, 3603, 5492, 23991, 34927, 51361, 52604, 56804]
 
 
 @pytest.mark.parametrize("name", sorted(scenarios.ALL))

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from replicator.shared import dropped
+from replicator.shared.deletion import DeletionFloors
 from replicator.shared.store import SYSTEM, Database, Store
 from tests.unit.test_store import FakeClock, meta, raw, rec
 
@@ -231,6 +232,27 @@ def test_a_newer_own_version_beats_a_write_again_a_deletions_floor_called(node: 
     w_final = db.fetch("t", ["w"])[0][0]
     assert w_final.value == b"newer" and w_final.version > again.version
     db.finish_recovery()
+    assert [key for key in _meta_keys(db) if key.startswith(("rewrite", "rewritten"))] == []
+
+
+def test_a_deletions_floor_writes_again_at_once_what_a_claim_left_pending_under_it(node: Store) -> None:
+    """Sim seed 34927: a wiped node's new (unknown) file wrote r after a deletion, below a version of its earlier
+    life that the deletion covers. A peer's claim of that version arrived first: it raised the file's floor to the
+    deletion's own and left the write again pending until the recovery ends. The deletion's floor then no longer
+    reaches past the file, yet its drop would take r at its old version on every node: r is written again above
+    the floor at once, and survives the drop."""
+    db = node.database("d", create=True)  # unknown: the node was wiped
+    mine = db.put("t", "r", b"after the deletion")
+    floor = mine + 2_000_000  # the earlier life's newest version, which the deletion saw
+    assert db.regress(floor, peer="b")
+    assert db.fetch("t", ["r"])[0][0].version == mine  # pending until every peer has served
+    assert not db.regress(floor, by_deletion=True)  # the floor is where the claim put it already
+    again = db.fetch("t", ["r"])[0][0]
+    assert again.value == b"after the deletion" and again.version > floor and again.origin == "a"
+    db.drop_through(DeletionFloors(origins={"a": floor}))
+    assert db.fetch("t", ["r"])[0][0] == again
+    db.finish_recovery()  # nothing left pending below the claim: r stays where the deletion's floor put it
+    assert db.fetch("t", ["r"])[0][0] == again
     assert [key for key in _meta_keys(db) if key.startswith(("rewrite", "rewritten"))] == []
 
 
