@@ -282,6 +282,13 @@ class GuardedSite(web.BaseSite):
             lambda: _Gate(self), self._host, self._port, backlog=self._backlog, reuse_port=True
         )
 
+    def stop_accepting(self) -> None:
+        """Close the listening socket: new connections go to the node's other workers (SO_REUSEPORT), or are
+        refused when none listens, and those still in this socket's accept queue are reset. The connections open
+        now stay open; `stop` drops them."""
+        if self._server is not None:
+            self._server.close()
+
     async def stop(self) -> None:
         await super().stop()
         if self._trim is not None:

@@ -649,6 +649,9 @@ class Worker:
     async def _shutdown(self) -> None:
         """Drain: close every session with going-away, commit what is applied, stop serving, within the deadline."""
         log.info("worker_stopping", deadline_s=self._shutdown_deadline)
+        if self._server is not None:
+            # First: a peer whose session gets going-away below redials at once, and must not land here again.
+            self._server.stop_accepting()
         for task in [*self._rounds.values(), *self._closers.values(), *self._repairs.values()]:
             task.cancel()
         for session in list(self._sessions.values()):

@@ -11,6 +11,7 @@ its serial is not revoked. Bad input from a peer closes that session with a reas
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 from typing import Any
 
@@ -29,6 +30,7 @@ from replicator.workers.listener import GuardedSite
 from replicator.workers.sender import Sender
 
 NOT_REGISTERED = "is not in the registry"
+SHUTTING_DOWN = "node shutting down"
 
 
 class ReplicationServer:
@@ -42,6 +44,8 @@ class ReplicationServer:
         # The sender of each live session, and an event set once it no longer uses the store.
         self._senders: dict[Any, tuple[Sender, asyncio.Event]] = {}
         self._queries = queries.Admission()  # turns to answer anti-entropy queries, per peer and in all
+        # Set when the drain starts: from then on no session or link is registered, so the drain's lists are whole.
+        self._closing = asyncio.Event()
         app = web.Application(client_max_size=ctx.config.replication.max_frame_bytes, middlewares=[answer_errors])
         app.router.add_get("/replication", self.replication)
         app.router.add_post("/replication/antientropy", self.antientropy)
@@ -72,18 +76,30 @@ class ReplicationServer:
         if self._site is not None:
             self._site.use_tls(server_ssl)
 
+    def stop_accepting(self) -> None:
+        """The drain begins: no new connection, and a session or link asked for from now on, on a connection
+        accepted before (its handshake under way, or kept alive), is closed with going-away as it starts. The
+        sessions and links open now go on until `close`."""
+        self._closing.set()
+        if self._site is not None:
+            self._site.stop_accepting()
+
     async def close(self) -> None:
         """Close every replication session with going-away, then stop serving."""
+        self.stop_accepting()
+        # Taken after the flag: a link or session registers only while it is clear (`_link`, `_serve`), so none
+        # comes after these lists.
         await asyncio.gather(
-            *(answered.close(wire.CLOSE_GOING_AWAY, "node shutting down") for answered in list(self._links)),
+            *(answered.close(wire.CLOSE_GOING_AWAY, SHUTTING_DOWN) for answered in list(self._links)),
             return_exceptions=True,
         )
         await asyncio.gather(
-            *(frames.close(ws, wire.CLOSE_GOING_AWAY, "node shutting down") for ws in list(self._sockets)),
+            *(frames.close(ws, wire.CLOSE_GOING_AWAY, SHUTTING_DOWN) for ws in list(self._sockets)),
             return_exceptions=True,
         )
-        if self._runner is not None:
-            await self._runner.cleanup()
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
 
     def _authorize(self, identity: PeerIdentity) -> str | None:
         """None when the peer may subscribe, else the reason it may not."""
@@ -109,8 +125,12 @@ class ReplicationServer:
         first = self._authorize(identity)
         if first is not None and first.endswith(NOT_REGISTERED) and budget > 0:
             log.info("send_auth_waiting", peer=identity.name, reason=first, budget_s=budget)
+        # The drain ends the wait: the answer is no, and the peer dials again elsewhere or later.
         refusal, attempts = await send_auth.reprobe(
-            lambda: self._authorize(identity), lambda reason: reason.endswith(NOT_REGISTERED), budget=budget
+            lambda: self._authorize(identity),
+            lambda reason: reason.endswith(NOT_REGISTERED) and not self._closing.is_set(),
+            sleep=self._pause,
+            budget=budget,
         )
         if refusal is not None:
             log.warning("send_auth_refused", peer=identity.name, database="", reason=refusal, attempts=attempts)
@@ -118,6 +138,12 @@ class ReplicationServer:
         if attempts > 1:
             log.info("send_auth_admitted", peer=identity.name, attempts=attempts)
         return identity
+
+    async def _pause(self, delay: float) -> None:
+        """The reprobe's wait: `delay`, or until the drain starts."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(delay):  # not wait_for: see workers.frames.receive
+                await self._closing.wait()
 
     async def close_revoked(self) -> int:
         """Close every live session whose peer certificate is revoked now; returns how many."""
@@ -224,6 +250,9 @@ class ReplicationServer:
         )
         ws.frame_limit = limit
         await ws.prepare(request)
+        if self._closing.is_set():
+            await frames.close(ws, wire.CLOSE_GOING_AWAY, SHUTTING_DOWN)
+            return ws
         serving: set[asyncio.Task[None]] = set()
 
         def opened(stream: link.Stream) -> None:
@@ -245,6 +274,9 @@ class ReplicationServer:
 
     async def _serve(self, ws: Any, identity: PeerIdentity) -> None:
         """One session: a per-pair socket's, or a stream's of a link."""
+        if self._closing.is_set():
+            await frames.close(ws, wire.CLOSE_GOING_AWAY, SHUTTING_DOWN)
+            return
         identity_name = identity.name
         self._sockets[ws] = identity
         sender = Sender(self._ctx, ws, identity_name)
