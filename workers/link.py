@@ -152,6 +152,8 @@ class Stream:
         return self._link.ws.exception()
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
+        if name == "ssl_object" and self._link.ssl_object is not None:
+            return self._link.ssl_object
         return self._link.ws.get_extra_info(name, default)
 
     # -- what the link delivers ----------------------------------------------------------------------
@@ -207,6 +209,11 @@ class Link:
         self.peer = peer
         self.frame_limit = frame_limit
         self.dialled = dialled
+        # The TLS session of the link, read once: its peer's certificate is the same for the link's life, and once
+        # the socket has closed the transport no longer gives it. A stream opened as the link ends must still know
+        # whom it speaks to, or its session reads "no node name" as a refusal and redials on the growing backoff
+        # instead of after a lost connection.
+        self.ssl_object: Any = ws.get_extra_info("ssl_object")
         self._on_open = on_open
         self._on_idle = on_idle
         self.streams: dict[int, Stream] = {}

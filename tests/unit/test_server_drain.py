@@ -20,7 +20,7 @@ from replicator.shared import wire
 from replicator.shared.config import from_mapping
 from replicator.shared.logs import EventLog
 from replicator.shared.store import Store
-from replicator.shared.tls import client_context, create_ca, issue_node_cert, server_context
+from replicator.shared.tls import client_context, create_ca, issue_node_cert, peer_identity, server_context
 from replicator.workers import link, server
 from replicator.workers.context import WorkerContext
 from replicator.workers.counters import Counters
@@ -164,3 +164,20 @@ async def test_the_drain_ends_the_wait_for_an_unregistered_peer_s_row(served: Se
                 await dialling
         assert refused.value.status == 403
         assert [record["peer"] for record in logged(served.events, "send_auth_refused")] == ["d"]
+
+
+async def test_a_stream_of_a_link_whose_socket_has_closed_still_names_the_peer_s_certificate(served: Served) -> None:
+    """A stream opened just before its link ends (a peer's restart, a drain) still gives its session the peer's TLS
+    identity: read as 'no node name', the session took the lost connection for a refusal and redialled on the
+    growing backoff."""
+    async with aiohttp.ClientSession() as http:
+        ws = await http.ws_connect(served.url, protocols=[link.SUBPROTOCOL], ssl=served.client_ssl)
+        dialled = link.Link(ws, peer="a", frame_limit=65536, dialled=True)
+        reading = asyncio.get_running_loop().create_task(dialled.run())
+        stream = dialled.open_stream()
+        await served.server.close()
+        async with asyncio.timeout(WAIT):
+            await reading
+        assert ws.get_extra_info("ssl_object") is None  # the transport has gone
+        identity = peer_identity(stream.get_extra_info("ssl_object"))
+        assert identity is not None and identity.name == "a"
