@@ -10,10 +10,12 @@ from another node): only peers can tell what that was, and while they have not a
                  the clock it was born at (`born`): a peer holding own writes below it shows an earlier life
                  after all.
     unknown      the node cannot tell whether it held the database (its system database is new or recovering:
-                 a node whose data was wiped, or a node that has never been in a cluster): recovering from floor
-                 0, its clock at the wall clock (no lead: most such files are new), born there; it asks every
-                 peer for every write of its origin the peer holds, and counts its own writes only as peers
-                 confirm them until each peer has served it. A peer's claim on its origin moves the floor there.
+                 a node whose data was wiped, or a node that has never been in a cluster; or it has no mark of the
+                 name and peers showed the node lived before its system database began, `LIVED_BEFORE`):
+                 recovering from floor 0, its clock at the wall clock (no lead: most such files are new), born
+                 there; it asks every peer for every write of its origin the peer holds, and counts its own writes
+                 only as peers confirm them until each peer has served it. A peer's claim on its origin moves the
+                 floor there.
     lost file    floor = the clock it starts at (the wall clock plus max_clock_skew, above every version the node
                  can have written before), recovering
     restored     a file `replicator restore` put in place (meta `restored`): a lost file that kept its data. Its own
@@ -152,6 +154,17 @@ def restored(conn: sqlite3.Connection) -> bool:
     return _meta(conn, RESTORED) is not None
 
 
+# Meta `lived_before`: peers showed that the node wrote into this database before the file began (an unknown file's
+# earlier life, a file known whole that went back in time), or the file was restored from a backup. Local to the
+# file, never cleared. On the system database it says the marks of what the node has held do not reach back over
+# its whole life (`Store.held`): a wiped node's system database recovers its rows from peers, not those marks.
+LIVED_BEFORE = "lived_before"
+
+
+def lived_before(conn: sqlite3.Connection) -> bool:
+    return _meta(conn, LIVED_BEFORE) is not None
+
+
 def restore(conn: sqlite3.Connection, node: str, *, clock_floor: int) -> None:
     """Inside the transaction that first opens a file marked by `mark_restored`: it starts as a lost file that kept
     its data (see the module docstring). The backup held every own write up to its top unless it was itself
@@ -167,6 +180,7 @@ def restore(conn: sqlite3.Connection, node: str, *, clock_floor: int) -> None:
     conn.execute("DELETE FROM meta WHERE key IN ('born', ?)", (RESTORED,))
     for prefix in (_REWRITE, _REWRITTEN):
         conn.execute("DELETE FROM meta WHERE substr(key, 1, ?) = ?", (len(prefix), prefix))
+    _set(conn, LIVED_BEFORE, 1)  # the node went on after the backup was taken
     begin(conn, history=LOST, clock_floor=clock_floor)
 
 
@@ -191,6 +205,10 @@ def regress(conn: sqlite3.Connection, node: str, claimed: int) -> bool:
     history = read(conn, node)
     if not history.behind(claimed):
         return False
+    if not history.unknown:
+        # A file that knew its history whole went back in time: the node lived before it (an unknown file's
+        # floor rises with every claim, its own writes since birth among them: `defer_rewrite` judges those).
+        _set(conn, LIVED_BEFORE, 1)
     _set(conn, "recovering", 1)
     _set(conn, "floor", max(history.floor, claimed))
     return True
@@ -240,6 +258,7 @@ def defer_rewrite(conn: sqlite3.Connection, peer: str | None, claimed: int) -> N
     it arrives, the old value would beat it on every node."""
     key = _REWRITE + (peer or "")
     _set(conn, key, max(int(_meta(conn, key) or 0), claimed))
+    _set(conn, LIVED_BEFORE, 1)
 
 
 def pending_rewrite(conn: sqlite3.Connection) -> int:

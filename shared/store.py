@@ -1143,11 +1143,16 @@ class Database:
 
     def holds_mark(self, name: str) -> bool | None:
         """On the system database: has this node held database `name` before (see `Store.held`)? None while this
-        file is recovering: what the node held is part of what it lost."""
+        file is recovering: what the node held is part of what it lost. None too for a name it has no mark of once
+        peers showed the node lived before this file (`own_writes.lived_before`: a wiped data directory, a restored
+        one): the marks are local, and went with the earlier life (sim seed 88772: a wiped node took a database it
+        had held for a new one, and counted its own writes complete over those of its earlier life)."""
         with self._read() as conn:
             if _meta(conn, "recovering"):
                 return None
-            return _meta(conn, f"held/{name}") is not None
+            if _meta(conn, f"held/{name}") is not None:
+                return True
+            return None if own_writes.lived_before(conn) else False
 
     def set_held(self, names: list[str], held: bool) -> None:
         """On the system database: mark (or unmark) databases as held by this node. Local to this file: never

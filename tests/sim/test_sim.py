@@ -70,7 +70,10 @@ FOUND_2 = [108, 232, 332, 683, 1179, 1185, 2525, 4987, 5583, 12695, 16894, 17030
 #         "complete" as far as the file's own origin counted (what peers confirmed: nothing), its newer write undone
 #   56804 a wiped node's new file wrote its write of a record again (`this_life`) once the peer whose claim showed its
 #         earlier life had served, above another node's later delete that peer lacked: the delete undone everywhere
-FOUND_3 = [2161, 3603, 5492, 23991, 34927, 51361, 52604, 56804]
+#   88772 a wiped node whose system database had recovered its rows from peers took a database it had held before for
+#         a new one (the marks of what it held went with its data): it counted its own writes complete up to its
+#         first write, over its earlier life's versions, which a skewed peer had pushed above the new file's birth
+FOUND_3 = [2161, 3603, 5492, 23991, 34927, 51361, 52604, 56804, 88772]
 
 
 @pytest.mark.parametrize("name", sorted(scenarios.ALL))

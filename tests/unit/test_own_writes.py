@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from replicator.shared import dropped
+from replicator.shared import dropped, own_writes
 from replicator.shared.deletion import DeletionFloors
 from replicator.shared.store import SYSTEM, Database, Store
 from tests.unit.test_store import FakeClock, meta, raw, rec
@@ -294,3 +294,42 @@ def test_a_claim_that_this_life_explains_writes_nothing_again(node: Store) -> No
 def _meta_keys(db: Database) -> list[str]:
     with db._lock:
         return [row[0] for row in db._conn.execute("SELECT key FROM meta")]
+
+
+def test_a_wiped_node_whose_peers_served_its_earlier_life_takes_no_unmarked_name_for_new(
+    node: Store, clock: FakeClock
+) -> None:
+    """Sim seed 88772. The marks of what a node has held live in its system database and are never replicated: a
+    wiped node's system database recovers its rows from peers, not the marks. Once a peer served back a row of the
+    node's own from before the file began, a name without a mark may be one the node held: its file is unknown
+    (it asks peers for its own writes), not new (counting them complete from its first write)."""
+    system = node.database(SYSTEM, create=True)  # a wiped node: unknown, born now
+    clock.advance(10)
+    system.apply_batch([rec("a", clock.us - 9_000_000, "a", table="nodes")], peer="b")  # its earlier life's row
+    system.finish_recovery()
+    assert not system.own_history().recovering
+    clock.advance(10)
+    held_before = node.database("d1", create=True)
+    history = held_before.own_history()
+    assert history.unknown and history.asks > 10**18 and history.floor == 0
+    held_before.put("t", "k", b"v")
+    assert "a" not in held_before.progress()  # not complete before the peers confirm it
+    # Its mark is made with the file: a later file of the name is a lost one, as on any node.
+    assert node.held("d1") is True
+    # A node whose peers showed no earlier life (a new node joining) still takes a name it never held for new.
+    with Store(node.data_dir.parent / "fresh", "f", clock=clock, clock_lead=60.0, holdings=True) as fresh:
+        _intact_system(fresh)
+        assert not fresh.database("d1", create=True).own_history().recovering
+
+
+def test_a_restored_system_database_vouches_for_no_unmarked_name(node: Store, clock: FakeClock) -> None:
+    """A system database put back from a backup lacks the marks of the databases made after the backup was taken."""
+    system = _intact_system(node)
+    with raw(system.path) as conn:
+        conn.execute("BEGIN")
+        own_writes.mark_restored(conn, 0.0)
+        conn.execute("COMMIT")
+    node.forget(SYSTEM)
+    system = node.database(SYSTEM)
+    system.finish_recovery()
+    assert node.held("later") is None
