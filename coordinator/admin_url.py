@@ -9,7 +9,9 @@ each is a usage error (exit 2) whose message says what to give instead:
   handshake, and one that speaks TLS is named as the node port, with the admin port of `--config` when given;
 - `https://` on the admin port: the TLS handshake fails on a server that answers in plain HTTP, named as such.
 
-A failure that is none of these stays what it was (exit 1: the node cannot be reached).
+A failure that is none of these stays what it was (exit 1: the node cannot be reached). A URL taken from
+$REPLICATOR_ADMIN is named as the variable's value (`REPLICATOR_ADMIN='...'`), one from an option as the option's.
+A node URL given without a scheme (`init --url`, `--peer`, `node add --url`) gets the same hint (`meant_with`).
 """
 
 from __future__ import annotations
@@ -37,25 +39,35 @@ class AdminUrlError(Exception):
 
 def check(url: str, option: str = "--admin", config: str | None = None) -> str:
     """`url` without surrounding blanks and a trailing slash; AdminUrlError for a URL without a scheme or a node
-    URL (ws://, wss://). `config`: a node's config file, whose admin port a node URL is pointed to."""
+    URL (ws://, wss://). `option`: where the URL came from, an option (`--admin`) or an environment variable
+    (`REPLICATOR_ADMIN`). `config`: a node's config file, whose admin port a node URL is pointed to."""
     given = url.strip()
     if not given:
         raise AdminUrlError(f"{option}: empty; give the node's admin URL, e.g. http://127.0.0.1:{DEFAULT_ADMIN_PORT}")
-    if "://" not in given:
-        raise AdminUrlError(f"{option} {given!r} has no scheme: did you mean http://{given.lstrip('/')}?")
+    named = f"{option} {given!r}" if option.startswith("-") else f"{option}={given!r}"
+    if (meant := meant_with(given, "http")) is not None:
+        raise AdminUrlError(f"{named} has no scheme: {meant}")
     parts = urlsplit(given)
     if parts.scheme in ("ws", "wss") and parts.hostname:
         raise AdminUrlError(
-            f"{option} {given!r} is a node URL (node.url: replication over TLS), not an admin URL; "
-            + _admin_hint(parts, config)
+            f"{named} is a node URL (node.url: replication over TLS), not an admin URL; " + _admin_hint(parts, config)
         )
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise AdminUrlError(f"{option}: expected an admin URL, http://HOST:ADMIN_PORT, got {given!r}")
     try:
         parts.port  # noqa: B018 - a port out of range raises here
     except ValueError as exc:
-        raise AdminUrlError(f"{option} {given!r}: {exc}") from None
+        raise AdminUrlError(f"{named}: {exc}") from None
     return given.rstrip("/")
+
+
+def meant_with(url: str, scheme: str) -> str | None:
+    """`did you mean SCHEME://URL?` for a URL given without a scheme (`10.0.0.3:9925`), or None when it has one:
+    the hint of an admin URL (http) and of a node URL (wss) alike."""
+    given = url.strip()
+    if not given or "://" in given:
+        return None
+    return f"did you mean {scheme}://{given.lstrip('/')}?"
 
 
 async def explain(url: str, exc: BaseException, config: str | None = None, option: str = "--admin") -> str | None:

@@ -524,7 +524,8 @@ def _check_name(argument: str, name: str) -> None:
 def _check_url(argument: str, url: str) -> str:
     """Check a node URL and return its host."""
     if not url.startswith(("wss://", "ws://")):
-        raise _UsageError(argument, f"expected a wss:// URL, got {url!r}")
+        meant = admin_url.meant_with(url, "wss")
+        raise _UsageError(argument, f"expected a wss:// URL, got {url!r}" + (f": {meant}" if meant else ""))
     try:
         normalize_url(url)
     except ValueError as exc:

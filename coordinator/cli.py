@@ -48,9 +48,16 @@ def version() -> str:
         return "0+unknown"
 
 
+class FromEnv(str):
+    """An admin URL taken from $REPLICATOR_ADMIN, not given on the command line: a mistake in it is reported as the
+    variable's (`REPLICATOR_ADMIN='...'`), since no --admin was typed. argparse keeps a default of this type as is."""
+
+    __slots__ = ()
+
+
 def admin_urls() -> list[str]:
     """The admin URLs in REPLICATOR_ADMIN (comma-separated): the default of every --admin option."""
-    return [url.strip() for url in os.environ.get(ADMIN_ENV, "").split(",") if url.strip()]
+    return [FromEnv(url.strip()) for url in os.environ.get(ADMIN_ENV, "").split(",") if url.strip()]
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -222,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_epilog("replicator certs ca --out ca"),
     )
     _complete(ca.add_argument("--out", required=True, help="the folder to write ca.pem and ca.key into"), DIRECTORY)
-    _json_flag(ca, '{"ok", "cert", "key"}')
+    _json_flag(ca, '{"ok", "cert", "key", "subject"} (subject: the new CA\'s, distinct for each CA)')
     node_cert = certs_commands.add_parser(
         "node",
         help="issue a node certificate signed by the CA",
@@ -653,8 +660,8 @@ def _node_parsers(commands: Any, admins: list[str]) -> None:
             help=f"a node's admin URL, e.g. {DEFAULT_ADMIN} {admin_help}"
             + (f" (else {DEFAULT_ADMIN})" if sub is listing else ""),
         )
-    for sub in (add, remove):
-        sub.add_argument("name", help="the node's name")
+    add.add_argument("name", help="the name of the node to introduce (its node.name)")
+    remove.add_argument("name", help="the name of the node to remove (as `node list` shows it)")
     add.add_argument("--url", required=True, help="the node's URL, wss://HOST:PORT (its node.url)")
     add.add_argument(
         "--database",
@@ -680,9 +687,19 @@ def _node_parsers(commands: Any, admins: list[str]) -> None:
     remove.add_argument(
         "--force", action="store_true", help="remove the row of a node that is connected, without revoking it"
     )
-    _json_flag(listing, '{"node", "admin", "nodes": [{"name", "url", "databases", "source", "connected", ...}]}')
-    _json_flag(add, '{"ok", "name", "version", "introduced_by", "url", "through"}')
-    _json_flag(remove, '{"ok", "name", "through", "removed", "revoked", "warnings"}')
+    _json_flag(
+        listing, '{"node", "admin", "nodes": [{"name", "url", "databases", "source", "certificate", "connected", ...}]}'
+    )
+    _json_flag(
+        add,
+        '{"ok", "name", "version", "introduced_by", "url", "through"[, "note"]} ("through": the admin URL asked; '
+        '"introduced_by": the name of the node behind it)',
+    )
+    _json_flag(
+        remove,
+        '{"ok", "name", "through", "removed", "revoked", "warnings"} ("through": the name of the node asked, '
+        "not its admin URL)",
+    )
     for sub in (listing, add, remove):
         _token_config(sub)
 
@@ -922,9 +939,9 @@ def _check_admin_urls(args: argparse.Namespace) -> str | None:
     if args.command == "clone":
         urls.append(("--leader", args.leader))
     elif args.command == "verify" or args.command == "diff":
-        urls += [("--admin", url) for url in args.admin or admin_urls()]
+        urls += [(_admin_source(url), url) for url in args.admin or admin_urls()]
     elif isinstance(getattr(args, "admin", None), str):
-        urls.append(("--admin", args.admin))
+        urls.append((_admin_source(args.admin), args.admin))
     # clone --config names the new node, whose admin port need not be the leader's.
     config = None if args.command == "clone" else getattr(args, "config", None)
     for option, url in urls:
@@ -933,6 +950,11 @@ def _check_admin_urls(args: argparse.Namespace) -> str | None:
         except admin_url.AdminUrlError as exc:
             return str(exc)
     return None
+
+
+def _admin_source(url: str) -> str:
+    """What gave the admin URL `url`: the variable when it is the default from $REPLICATOR_ADMIN, else --admin."""
+    return ADMIN_ENV if isinstance(url, FromEnv) else "--admin"
 
 
 class _Recorder:

@@ -24,6 +24,7 @@ from urllib.parse import quote
 
 import msgspec
 
+from replicator.coordinator import admin_url
 from replicator.coordinator.admin_port import EXIT_FAILED, EXIT_USAGE, AdminPort, Failed, reason_of, with_admin
 from replicator.coordinator.inspect import _age as age_text
 from replicator.coordinator.inspect import _table as table_text
@@ -97,7 +98,9 @@ async def cmd_node_add(
     if (refused := _bad_name(name)) is not None:
         return refused
     if not url.strip().startswith(("wss://", "ws://")):
-        return _fail(f"--url: expected the node's wss:// URL (its node.url), got {url!r}", EXIT_USAGE)
+        meant = admin_url.meant_with(url, "wss")
+        refused = f"--url: expected the node's wss:// URL (its node.url), got {url!r}" + (f": {meant}" if meant else "")
+        return _fail(refused, EXIT_USAGE)
     try:
         normalize_url(url)
     except ValueError as exc:

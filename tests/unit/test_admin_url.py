@@ -172,3 +172,16 @@ def test_a_command_given_only_config_asks_that_nodes_admin_port(
     )
     assert cli.main(["backup", "--out", "x", "--config", str(config / "missing.toml")]) == 2
     assert "--config:" in capsys.readouterr().err
+
+
+def test_a_url_from_the_environment_is_named_as_the_variable() -> None:
+    with pytest.raises(admin_url.AdminUrlError) as caught:
+        admin_url.check("127.0.0.1:9926", "REPLICATOR_ADMIN")
+    assert str(caught.value) == "REPLICATOR_ADMIN='127.0.0.1:9926' has no scheme: did you mean http://127.0.0.1:9926?"
+
+
+def test_the_scheme_hint_is_one_for_admin_and_node_urls() -> None:
+    assert admin_url.meant_with(" 10.0.0.3:9925 ", "wss") == "did you mean wss://10.0.0.3:9925?"
+    assert admin_url.meant_with("//10.0.0.3:9926", "http") == "did you mean http://10.0.0.3:9926?"
+    assert admin_url.meant_with("http://10.0.0.3:9925", "wss") is None  # a scheme, if the wrong one: no guess
+    assert admin_url.meant_with("", "wss") is None

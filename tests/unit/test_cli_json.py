@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+from pathlib import Path
 
 import pytest
 
 from replicator.coordinator import cli
 from replicator.coordinator.node_cmd import render_list
 from tests.unit.test_cli_parser import _parsers
+
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 @pytest.fixture(autouse=True)
@@ -136,3 +140,82 @@ def test_a_name_no_node_can_have_is_refused_before_any_request(
     assert cli.main([*args, "--admin", "http://127.0.0.1:1", "--json"]) == 2
     name = args[2]
     assert json.loads(capsys.readouterr().out)["error"] == (f"bad node name {name!r}: use 1 to 64 of A-Z a-z 0-9 _ -")
+
+
+def _readme_json_rows() -> dict[str, str]:
+    """The rows of the README's table "JSON output of the commands": command -> what it prints."""
+    text = README.read_text()
+    section = text.split("### JSON output of the commands", 1)[1].split("\n#", 1)[0]
+    rows = re.findall(r"^\| `([a-z -]+)` \| (.*) \|$", section, re.MULTILINE)
+    return dict(rows)
+
+
+def test_every_command_has_a_row_in_the_readme_json_table() -> None:
+    rows = _readme_json_rows()
+    commands = {path.removeprefix("replicator ") for path, _ in _commands()}
+    assert sorted(commands - rows.keys()) == []  # a command without its JSON shape documented
+    assert sorted(rows.keys() - commands) == []  # a row of a command that is gone
+
+
+def test_the_keys_json_help_names_are_in_the_readme_row() -> None:
+    rows = _readme_json_rows()
+    for path, parser in _commands():
+        shape = parser._option_string_actions["--json"].help or ""
+        row = rows[path.removeprefix("replicator ")]
+        missing = [key for key in re.findall(r'"([a-z_]+)"', shape) if f'"{key}"' not in row]
+        assert missing == [], path
+
+
+def test_node_add_and_remove_say_what_through_is() -> None:
+    helps = {path: " ".join(parser.format_help().split()) for path, parser in _commands()}
+    assert '"through": the admin URL asked' in helps["replicator node add"]
+    assert '"through": the name of the node asked, not its admin URL' in helps["replicator node remove"]
+    assert "the name of the node to remove" in helps["replicator node remove"]
+    rows = _readme_json_rows()
+    assert "`through`: the admin URL asked" in rows["node add"]
+    assert "`through`: the name of the node asked" in rows["node remove"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["status"], ["verify"], ["node", "list"], ["node", "remove", "c"], ["certs", "resign", "--ca", "ca"]],
+)
+def test_a_bad_admin_url_from_replicator_admin_is_named_as_the_variable(
+    args: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(cli.ADMIN_ENV, "10.0.0.1:9926")
+    assert cli.main([*args, "--json"]) == 2
+    assert json.loads(capsys.readouterr().out)["error"] == (
+        "REPLICATOR_ADMIN='10.0.0.1:9926' has no scheme: did you mean http://10.0.0.1:9926?"
+    )
+    # The same value given as --admin is named as the option.
+    assert cli.main([*args, "--admin", "10.0.0.1:9926"]) == 2
+    assert (
+        "replicator "
+        + " ".join(args[:2] if args[0] in ("node", "certs") else args[:1])
+        + (": --admin '10.0.0.1:9926' has no scheme: did you mean http://10.0.0.1:9926?")
+        in capsys.readouterr().err
+    )
+
+
+def test_a_node_url_from_replicator_admin_is_named_as_the_variable(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(cli.ADMIN_ENV, "http://127.0.0.1:9926,wss://10.0.0.2:9925")
+    assert cli.main(["verify"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "replicator verify: REPLICATOR_ADMIN='wss://10.0.0.2:9925' is a node URL (node.url: replication over TLS)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("url", "hint"),
+    [("10.0.0.3:9925", ": did you mean wss://10.0.0.3:9925?"), ("http://10.0.0.3:9925", "")],
+)
+def test_node_add_with_a_url_without_a_scheme_says_the_url_meant(
+    url: str, hint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["node", "add", "c", "--url", url, "--admin", "http://127.0.0.1:1", "--json"]) == 2
+    assert json.loads(capsys.readouterr().out)["error"] == (
+        f"--url: expected the node's wss:// URL (its node.url), got {url!r}{hint}"
+    )

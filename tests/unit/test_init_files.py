@@ -179,3 +179,26 @@ def test_one_admin_token_file_gives_every_node_the_same_admin_token(
     assert _init(ca_dir, tmp_path / "d" / "d.toml", str(tmp_path / "data-d"), "d", admin_token=" ") == 2
     assert "the admin token is empty" in capsys.readouterr().err
     assert not (tmp_path / "d").exists()
+
+
+@pytest.mark.parametrize(
+    ("url", "peers", "message"),
+    [
+        ("10.0.0.3:9925", [], "--url: expected a wss:// URL, got '10.0.0.3:9925': did you mean wss://10.0.0.3:9925?"),
+        (
+            "wss://127.0.0.1:9925",
+            ["b=10.0.0.2:9925"],
+            "--peer: expected a wss:// URL, got '10.0.0.2:9925': did you mean wss://10.0.0.2:9925?",
+        ),
+        # A URL with another scheme gets no guess: it may be an admin URL, whose port is not the node port.
+        ("http://10.0.0.3:9926", [], "--url: expected a wss:// URL, got 'http://10.0.0.3:9926'\n"),
+    ],
+)
+def test_a_node_url_without_a_scheme_says_the_url_meant(
+    ca_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], url: str, peers: list[str], message: str
+) -> None:
+    config = tmp_path / "etc" / "a.toml"
+    assert cmd_init("a", url, 9925, 9926, "data", str(ca_dir), str(config), peers) == 2
+
+    assert f"replicator init: {message}" in capsys.readouterr().err
+    assert not config.exists()
