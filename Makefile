@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format bench clean
+.PHONY: demo test lint format bench man clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/pip install --quiet -e '.[test,bench]'
 	$(BIN)/python benchmarks/run_all.py $(BENCH_ARGS)
+
+# The manual page, rendered from the CLI's parser; tests/unit/test_manpage.py fails until it is regenerated.
+man: $(STAMP)
+	$(BIN)/python -m replicator.coordinator.manpage > ops/replicator.1.tmp && mv ops/replicator.1.tmp ops/replicator.1
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
