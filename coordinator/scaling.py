@@ -69,13 +69,16 @@ def rebalance(node: ScalingView, slot: int) -> int:
 
 
 def _even_out(node: ScalingView, active: list[int], new: list[int]) -> int:
-    """Move pairs from the busy workers onto the new ones until no worker carries more than its fair share.
+    """Move pairs from the busy workers onto the new ones until the load is as even as whole pairs allow.
 
-    The share is the pair count over all workers, rounded up. Each worker above it gives up its pairs beyond the
-    share (its last placed, in map order), and each one goes to the least loaded new worker, lowest slot among
-    equals, never past the share: a deterministic spread, and a pair that need not move keeps its session."""
+    The share is the pair count over all workers, rounded up. First each worker above it gives up its pairs beyond
+    the share (its last placed, in map order), round by round so the ladder alternates between sources, each to the
+    least loaded new worker, lowest slot among equals, never past the share. Then a new worker still below the
+    count rounded down takes pairs from the most loaded busy ones above it (7 pairs over 3 workers: 3, 2, 2, not 3,
+    3, 1). A deterministic spread, and a pair that need not move keeps its session."""
     pairs = [(entry, database, pair) for entry in node.map for database, pair in entry.pairs.items()]
-    share = math.ceil(len(pairs) / (len(active) + len(new)))
+    workers = len(active) + len(new)
+    share, least = math.ceil(len(pairs) / workers), len(pairs) // workers
     held: dict[int, list[tuple[Entry, str, PairState]]] = {slot: [] for slot in active}
     for item in pairs:
         if item[2].placed in held:
@@ -85,18 +88,32 @@ def _even_out(node: ScalingView, active: list[int], new: list[int]) -> int:
         if item[2].placed in load:
             load[item[2].placed] += 1
     moved = 0
+
+    def lightest() -> int:
+        return min(new, key=lambda slot: (load[slot], slot))
+
     # Round by round, one pair from each busy worker, so the ladder alternates between sources.
     surplus = [held[slot][share:] for slot in active]
+    for slot in active:
+        del held[slot][share:]
     for round_ in itertools.zip_longest(*surplus):
         for item in round_:
             if item is None:
                 continue
-            destination = min(new, key=lambda slot: (load[slot], slot))
+            destination = lightest()
             if load[destination] >= share:
                 return moved
             load[destination] += 1
             move_pair(node, *item, destination)
             moved += 1
+    while load[lightest()] < least:
+        source = max(active, key=lambda slot: (len(held[slot]), -slot))
+        if len(held[source]) <= least:
+            break
+        destination = lightest()
+        load[destination] += 1
+        move_pair(node, *held[source].pop(), destination)
+        moved += 1
     return moved
 
 

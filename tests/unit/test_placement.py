@@ -254,6 +254,29 @@ def test_scaling_up_moves_pairs_onto_the_new_workers_until_the_load_is_even(loop
     assert node.reassignments == 6
 
 
+def test_scaling_up_leaves_no_new_worker_below_the_even_share_rounded_down(loop: VirtualTimeLoop) -> None:
+    """Ten pairs (four databases and the system database of two peers) on two workers, 5 and 5, scaled to three: the
+    new worker takes one beyond the share (4) from each and one more from the busiest, so the load ends 4, 3, 3
+    and not 4, 4, 2."""
+    node, _ = make_node(loop, slots=2)
+    supervisor = ScalingSupervisor(loop, 2)
+    node.supervisor = supervisor  # type: ignore[assignment]
+    add(node, peer("b", 2000, holds=DATABASES[:4]))
+    add(node, peer("c", 3000, holds=DATABASES[:4]))
+    loop.advance(2.0)
+    up(node)
+    loop.advance_to(10.0)
+    before = placements(node)
+    assert Counter(before.values()) == {0: 5, 1: 5}
+    loop.run(node.scale(3))
+    loop.advance(5.0)
+    after = placements(node)
+    assert Counter(after.values())[2] == 3 and sorted(Counter(after.values()).values()) == [3, 3, 4]
+    moved = [key for key in after if after[key] != before[key]]
+    assert len(moved) == 3 and all(after[key] == 2 for key in moved)
+    assert node.reassignments == 3
+
+
 def test_scaling_down_spreads_the_retiring_workers_pairs_over_the_rest(loop: VirtualTimeLoop) -> None:
     node, supervisor = _scaling_node(loop, slots=4)
     before = placements(node)
