@@ -21,6 +21,9 @@ from replicator.workers.confirm import Relays, Waiters
 from replicator.workers.counters import Counters
 
 SYSTEM = "system"
+# `report_clock`: an offset within this of the last one reported, less than the interval ago, is not reported again.
+CLOCK_REPORT_TOLERANCE = 0.01
+CLOCK_REPORT_INTERVAL = 5.0
 
 
 @dataclass
@@ -32,6 +35,7 @@ class WorkerContext:
     client_ssl: ssl.SSLContext
     report: Callable[[msgspec.Struct], None]
     wall: Callable[[], float] = time.time
+    monotonic: Callable[[], float] = time.monotonic
     feeds: ChangeFeeds = field(init=False)
     ca: revocation.CA | None = None  # the cluster CA (every CA of its bundle): it signs revocations and certificates
     doorbell: Doorbell | None = None  # rung after each commit of this process; rings from siblings wake the feeds
@@ -49,6 +53,8 @@ class WorkerContext:
     relays: Relays = field(default_factory=Relays)
     waiters: Waiters = field(init=False)
     trust_changes: int = 0  # how many times the CA bundle was replaced (`trust`)
+    # peer -> (offset, monotonic time) of the last PeerClock this worker reported (`report_clock`).
+    _clocks: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.feeds = ChangeFeeds(lambda name: self.store.database(name), doorbell=self.doorbell)
@@ -56,6 +62,18 @@ class WorkerContext:
         self.verifier = membership.Verifier(self.ca)
         self.waiters = Waiters(self.report)
         self._known.update(self.store.names())
+
+    def report_clock(self, peer: str, offset: float) -> None:
+        """Tell the coordinator a peer's clock offset, as a handshake measured it. Every stream's handshake measures
+        one, thousands on a link's first seconds with many databases: the same offset again (within
+        CLOCK_REPORT_TOLERANCE) is reported only once CLOCK_REPORT_INTERVAL has passed."""
+        now = self.monotonic()
+        last = self._clocks.get(peer)
+        same = last is not None and abs(offset - last[0]) < CLOCK_REPORT_TOLERANCE
+        if same and last is not None and now - last[1] < CLOCK_REPORT_INTERVAL:
+            return
+        self._clocks[peer] = (offset, now)
+        self.report(messages.PeerClock(peer=peer, offset_seconds=offset))
 
     @property
     def node(self) -> str:

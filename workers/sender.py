@@ -85,7 +85,7 @@ class Sender:
         if hello.wall:
             # Both ends see the offset before any data moves; only the subscriber refuses (it is the one applying).
             offset = round(hello.wall - self._ctx.wall(), 6)
-            self._ctx.report(messages.PeerClock(peer=self._peer, offset_seconds=offset))
+            self._ctx.report_clock(self._peer, offset)
         if hello.max_frame:
             # Never build a frame the subscriber would refuse.
             self._send_limit = min(self._send_limit, hello.max_frame)

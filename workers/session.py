@@ -436,7 +436,7 @@ class PeerSession:
             raise wire.Refused(f"dialled {self.peer!r} but the peer says it is {hello.node!r}")
         self.protocol = wire.check_choice(hello, ctx.node)
         offset = hello.wall - ctx.wall() if hello.wall else 0.0
-        ctx.report(messages.PeerClock(peer=self.peer, offset_seconds=round(offset, 6)))
+        ctx.report_clock(self.peer, round(offset, 6))
         if offset > settings.max_clock_skew:
             raise wire.ClockSkew(
                 f"the peer's clock is {offset:.1f} s ahead of ours (max_clock_skew {settings.max_clock_skew:g} s)",
