@@ -712,13 +712,14 @@ class Database:
         """Idle: nobody committed to it for a trim round (`trim`)."""
         return self._lean
 
-    def release(self) -> bool:
-        """Close the connection if the database is lean, not in use and has no damaged records left to count
-        (`Store._release_idle`, which makes sure no one holds this object); True when it closed. Never waits."""
+    def release(self, *, lean_only: bool = True) -> bool:
+        """Close the connection if the database is lean (or `lean_only` is False), not in use and has no damaged
+        records left to count (`Store._release_idle`, `Store.release`, which make sure no one holds this object);
+        True when it closed. Never waits."""
         if not self._lock.acquire(blocking=False):
             return False
         try:
-            if not self._lean or self.checksum_failures or self._conn.in_transaction:
+            if (lean_only and not self._lean) or self.checksum_failures or self._conn.in_transaction:
                 return False
             self._conn.close()
             return True
@@ -2084,6 +2085,28 @@ class Store:
         trimmed = sum(db.trim() for db in databases)
         del databases
         return trimmed + self._release_idle(idle)
+
+    def opened(self) -> set[str]:
+        """The databases this process has open now."""
+        with self._lock:
+            return set(self._databases)
+
+    def release(self, names: Iterable[str]) -> int:
+        """Close the databases of `names` that no object of this process holds but this Store, lean or not (one in
+        use, held, with damaged records not counted yet, or the system database, stays); how many closed. For a
+        pass that opened them only to read them once (`coordinator.retention`), from a thread: a close that is a
+        file's last checkpoints it. The next `database(name)` opens the file again."""
+        closed = 0
+        for name in names:
+            with self._lock:
+                db = self._databases.get(name)
+                # Held by the dict, this local and getrefcount's argument only.
+                if name == SYSTEM or db is None or sys.getrefcount(db) > _UNHELD_REFERENCES + 1:
+                    continue
+                if db.release(lean_only=False):
+                    del self._databases[name]
+                    closed += 1
+        return closed
 
     def _release_idle(self, names: list[str]) -> int:
         """Close the databases of `names` (lean before this round) that are still lean and that no object of this
