@@ -15,7 +15,7 @@ import argparse
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from replicator.coordinator import cli
@@ -310,10 +310,7 @@ def _environment() -> list[str]:
             "Set by systemd when stderr is the journal: log lines then carry their priority prefix.",
         ),
     ]
-    out = [".SH ENVIRONMENT"]
-    for name, text in variables:
-        out += [".TP", ", ".join(_bold(part) for part in name.split(", ")), prose(text)]
-    return out
+    return _tagged("ENVIRONMENT", variables, _bold)
 
 
 def _files() -> list[str]:
@@ -330,9 +327,14 @@ def _files() -> list[str]:
             "and alerts, the Grafana dashboard, `RUNBOOK.md`, a container image definition and a Kubernetes example.",
         ),
     ]
-    out = [".SH FILES"]
-    for name, text in files:
-        out += [".TP", ", ".join(_italic(part) for part in name.split(", ")), prose(text)]
+    return _tagged("FILES", files, _italic)
+
+
+def _tagged(section: str, entries: list[tuple[str, str]], face: Callable[[str], str]) -> list[str]:
+    """A section of tagged paragraphs: each entry's names (comma-separated) in `face`, then its text."""
+    out = [f".SH {section}"]
+    for name, text in entries:
+        out += [".TP", ", ".join(face(part) for part in name.split(", ")), prose(text)]
     return out
 
 

@@ -612,9 +612,9 @@ def _clear_statements(conn: sqlite3.Connection) -> None:
 RELEASE_PER_ROUND = 16
 
 _LRU_CACHE = type(functools.lru_cache(maxsize=1)(lambda: None))
-# What holds a database nobody uses, as `sys.getrefcount` counts it in `Store._release_idle`: the Store's dict,
-# and getrefcount's own argument.
-_UNHELD_REFERENCES = 2
+# What holds a database nobody uses, as `sys.getrefcount` counts it in `Store._close_unheld`: the Store's dict, that
+# method's local and getrefcount's own argument.
+_UNHELD_REFERENCES = 3
 
 
 def _forget_closed_cursors(conn: sqlite3.Connection) -> None:
@@ -2099,14 +2099,20 @@ class Store:
         closed = 0
         for name in names:
             with self._lock:
-                db = self._databases.get(name)
-                # Held by the dict, this local and getrefcount's argument only.
-                if name == SYSTEM or db is None or sys.getrefcount(db) > _UNHELD_REFERENCES + 1:
-                    continue
-                if db.release(lean_only=False):
-                    del self._databases[name]
-                    closed += 1
+                closed += self._close_unheld(name, lean_only=False)
         return closed
+
+    def _close_unheld(self, name: str, *, lean_only: bool) -> bool:
+        """Under the Store's lock: close `name` if it is open, not the system database, held by no object of this
+        process but this Store, and `Database.release` agrees; True when it closed."""
+        db = self._databases.get(name)
+        # No caller has it, and none can get it without this Store's lock.
+        if name == SYSTEM or db is None or sys.getrefcount(db) > _UNHELD_REFERENCES:
+            return False
+        if not db.release(lean_only=lean_only):
+            return False
+        del self._databases[name]
+        return True
 
     def _release_idle(self, names: list[str]) -> int:
         """Close the databases of `names` (lean before this round) that are still lean and that no object of this
@@ -2122,15 +2128,7 @@ class Store:
             for name in names:
                 if closed >= RELEASE_PER_ROUND:
                     break  # the rest next round
-                if name == SYSTEM or name not in self._databases:
-                    continue
-                # Held by the dict, this name and getrefcount's argument only: no caller has it, and none can get
-                # it without this Store's lock.
-                if sys.getrefcount(self._databases[name]) > _UNHELD_REFERENCES:
-                    continue
-                if self._databases[name].release():
-                    del self._databases[name]
-                    closed += 1
+                closed += self._close_unheld(name, lean_only=True)
         finally:
             self._lock.release()
         return closed

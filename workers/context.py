@@ -69,8 +69,11 @@ class WorkerContext:
         CLOCK_REPORT_TOLERANCE) is reported only once CLOCK_REPORT_INTERVAL has passed."""
         now = self.monotonic()
         last = self._clocks.get(peer)
-        same = last is not None and abs(offset - last[0]) < CLOCK_REPORT_TOLERANCE
-        if same and last is not None and now - last[1] < CLOCK_REPORT_INTERVAL:
+        if (
+            last is not None
+            and abs(offset - last[0]) < CLOCK_REPORT_TOLERANCE
+            and now - last[1] < CLOCK_REPORT_INTERVAL
+        ):
             return
         self._clocks[peer] = (offset, now)
         self.report(messages.PeerClock(peer=peer, offset_seconds=offset))
