@@ -71,7 +71,7 @@ async def with_admin(admin: str, token: str, config: str | None, action: Any, co
     reason` and its exit code returned."""
     try:
         async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
-            return await action(AdminPort(http, admin.rstrip("/"), token, config))
+            return await action(AdminPort(http, admin_url.trimmed(admin), token, config))
     except Failed as exc:
         print(f"replicator {command}: {exc}", file=sys.stderr)
         return exc.code

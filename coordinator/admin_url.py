@@ -70,23 +70,36 @@ def meant_with(url: str, scheme: str) -> str | None:
     return f"did you mean {scheme}://{given.lstrip('/')}?"
 
 
-async def explain(url: str, exc: BaseException, config: str | None = None, option: str = "--admin") -> str | None:
+def source(url: str) -> str:
+    """Where the admin URL `url` came from: `REPLICATOR_ADMIN` for one taken from the variable (the CLI's `FromEnv`,
+    which says so in its `source`), else `--admin`."""
+    return getattr(url, "source", "--admin")
+
+
+def trimmed(url: str) -> str:
+    """`url` without a trailing slash, still saying where it came from (`source`)."""
+    return type(url)(url.rstrip("/"))
+
+
+async def explain(url: str, exc: BaseException, config: str | None = None, option: str | None = None) -> str | None:
     """Why dialling the admin URL `url` failed with `exc`, when a common mistake explains it: the message of a
     usage error, naming the URL meant. `config`: a node's config file, whose listen.admin_port is the one pointed
-    to. None when no mistake explains the failure."""
+    to. `option`: what gave the URL, by default its `source`. None when no mistake explains the failure."""
+    option = option or source(url)
+    named = f"{option} {url}" if option.startswith("-") else f"{option}={url!r}"
     parts = urlsplit(url)
     host = parts.hostname or ""
     port = parts.port or (443 if parts.scheme == "https" else 80)
     if parts.scheme == "https" and _plain_text_answer(exc):
         return (
-            f"{option} {url}: {host}:{port} does not speak TLS (the admin port is plain HTTP): did you mean"
+            f"{named}: {host}:{port} does not speak TLS (the admin port is plain HTTP): did you mean"
             f" {_url(parts, 'http', port)}?"
         )
     if parts.scheme != "http" or isinstance(exc, aiohttp.ClientConnectorError | TimeoutError):
         return None  # refused, unresolvable or silent: nothing there to tell apart
     if not await speaks_tls(host, port):
         return None
-    return f"{option} {url}: {host}:{port} speaks TLS: it is a node port (listen.port), not an admin port; " + (
+    return f"{named}: {host}:{port} speaks TLS: it is a node port (listen.port), not an admin port; " + (
         _admin_hint(parts, config)
     )
 

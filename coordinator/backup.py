@@ -60,7 +60,7 @@ async def cmd_backup(
     directory = Path(out)
     if not await asyncio.to_thread(_empty, directory):
         return _fail(f"--out {out}: not an empty folder; a backup goes into a new one, never over files", EXIT_USAGE)
-    base = admin.rstrip("/")
+    base = admin_url.trimmed(admin)
     headers = admin_headers(token)
     try:
         async with aiohttp.ClientSession(

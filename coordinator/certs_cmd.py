@@ -128,7 +128,7 @@ def cmd_certs_revoke(
         print(document.decode())
     if admin:
         url = f"{admin.rstrip('/')}/nodes/{name}/revocations"
-        problem, code = asyncio.run(_put(url, document, token, admin.rstrip("/"), config))
+        problem, code = asyncio.run(_put(url, document, token, admin_url.trimmed(admin), config))
         if problem:
             for line in said:
                 print(line)

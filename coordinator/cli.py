@@ -50,9 +50,11 @@ def version() -> str:
 
 class FromEnv(str):
     """An admin URL taken from $REPLICATOR_ADMIN, not given on the command line: a mistake in it is reported as the
-    variable's (`REPLICATOR_ADMIN='...'`), since no --admin was typed. argparse keeps a default of this type as is."""
+    variable's (`REPLICATOR_ADMIN='...'`), since no --admin was typed. argparse keeps a default of this type as is,
+    and `admin_url.trimmed` keeps it too."""
 
     __slots__ = ()
+    source = ADMIN_ENV
 
 
 def admin_urls() -> list[str]:
@@ -954,7 +956,7 @@ def _check_admin_urls(args: argparse.Namespace) -> str | None:
 
 def _admin_source(url: str) -> str:
     """What gave the admin URL `url`: the variable when it is the default from $REPLICATOR_ADMIN, else --admin."""
-    return ADMIN_ENV if isinstance(url, FromEnv) else "--admin"
+    return getattr(url, "source", "--admin")  # admin_url.source, without importing aiohttp for every command
 
 
 class _Recorder:

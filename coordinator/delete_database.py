@@ -44,7 +44,7 @@ async def cmd_delete_database(
     except aiohttp.InvalidURL:
         return _fail(f"--admin {admin!r} is not a URL (e.g. http://127.0.0.1:9926)", EXIT_USAGE)
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-        if (hint := await admin_url.explain(admin.rstrip("/"), exc, config)) is not None:
+        if (hint := await admin_url.explain(admin_url.trimmed(admin), exc, config)) is not None:
             return _fail(hint, EXIT_USAGE)
         return _fail(f"cannot reach {url}: {exc or type(exc).__name__}", EXIT_FAILED)
     except ValueError:

@@ -201,7 +201,7 @@ class AdminSide:
     def __init__(
         self, http: aiohttp.ClientSession, admin: str, database: str, token: str, config: str | None = None
     ) -> None:
-        self.admin = admin.rstrip("/")
+        self.admin = admin_url.trimmed(admin)
         self.label = self.admin
         self._http = http
         self._database = database
@@ -424,7 +424,7 @@ async def cmd_diff(
     if not 1 <= limit <= MAX_LIMIT:
         print(f"replicator diff: --limit must be 1 to {MAX_LIMIT}, got {limit}", file=sys.stderr)
         return EXIT_ERROR
-    pair = (admins[0].rstrip("/"), admins[1].rstrip("/"))
+    pair = (admin_url.trimmed(admins[0]), admin_url.trimmed(admins[1]))
     outcome: Outcome | None = None
     async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
         first, second = (AdminSide(http, admin, database, token, config) for admin in pair)

@@ -52,7 +52,7 @@ async def cmd_status(
     """Print the node's status; with `check`, a one-line summary instead of the table, and exit 1 with one line
     per problem on stderr when a pair is down or a worker is not ready. `peers`, `databases` (names or shell
     patterns) and `problems` narrow what is shown and checked (`filter_status`)."""
-    admin = admin.rstrip("/")
+    admin = admin_url.trimmed(admin)
     try:
         async with aiohttp.ClientSession(timeout=TIMEOUT) as http:
             status, body = await _get(http, admin + "/status", token)
@@ -365,7 +365,7 @@ async def cmd_verify(
 ) -> int:
     """Compare every database's digest across the nodes; with `repair`, run anti-entropy on each node first.
     `config`: a node's config file, for the admin port a mistaken URL is pointed to (`coordinator.admin_url`)."""
-    admins = [a.rstrip("/") for a in admins]
+    admins = [admin_url.trimmed(a) for a in admins]
     if len(admins) < 2:
         print("replicator verify: give at least two --admin URLs", file=sys.stderr)
         return 2

@@ -274,6 +274,24 @@ async def test_the_node_port_given_as_the_admin_url_names_the_admin_port(
     assert not (tmp_path / "b").exists()  # backup wrote nothing
 
 
+@pytest.mark.parametrize("command", ADMIN_COMMANDS)
+async def test_the_node_port_given_in_the_variable_is_named_as_the_variables(
+    cluster: LocalCluster, tmp_path: Path, command: str
+) -> None:
+    a = cluster["a"]
+    url = f"http://127.0.0.1:{a.port}/"  # the trailing slash is trimmed, and the URL still names its source
+    given = _commands(url, cluster, tmp_path)[command]
+    admins = [given[i + 1] for i, word in enumerate(given) if word == "--admin"]
+    without = [word for i, word in enumerate(given) if word != "--admin" and (i == 0 or given[i - 1] != "--admin")]
+    env = {"REPLICATOR_ADMIN": ",".join(admins)}
+    done = await run(cluster, *without, "--config", str(a.config_path), env=env)
+
+    assert done.returncode == 2, done.stderr
+    assert f"REPLICATOR_ADMIN='{url.rstrip('/')}': 127.0.0.1:{a.port} speaks TLS: it is a node port" in done.stderr
+    assert f"did you mean {a.admin_url}?" in done.stderr
+    assert "--admin" not in done.stderr and "Traceback" not in done.stderr
+
+
 async def test_clone_names_a_leader_url_that_is_a_node_port(cluster: LocalCluster, tmp_path: Path) -> None:
     leader = f"http://127.0.0.1:{cluster['a'].port}"
     data = tmp_path / "data"
