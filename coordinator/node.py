@@ -182,6 +182,9 @@ class Node:
         self.worker_ready = asyncio.Event()  # set on every worker's Ready; scaling waits on it
         self._closing = False
         self._tasks: list[asyncio.Task[Any]] = []
+        # Databases opened only to read their recovering flag (`_note_database`), closed again off the loop.
+        self._to_release: set[str] = set()
+        self._releasing: asyncio.Task[None] | None = None
         self._admin: AdminServer | None = None
         self._data_lock: DataLock | None = None  # held from the boot on: no restore or second node on the directory
         # Time this process itself did not run is not time the workers were silent (the heartbeat watchdog).
@@ -789,13 +792,39 @@ class Node:
 
     def _note_database(self, database: str) -> None:
         assert self.store is not None
+        opened = database not in self.store.opened()
         try:
             recovering = self.store.database(database).recovering
         except UnknownDatabase:
             return  # removed, or being removed, since the report
+        if opened:
+            self._release_later(database)
         if recovering and database not in self.recoveries:
             self.recoveries.begin(database, wall=self.wall(), now=self.loop.time())
             self._refresh_payloads(database, "resubscribed")  # every origin from every peer while it recovers
+
+    def _release_later(self, database: str) -> None:
+        """Close `database` again soon, in a thread, unless something else in this process holds it by then
+        (`Store.release`). The coordinator opens every database it learns of (at boot, on a worker's report) to read
+        one flag, and the store's trim closes at most RELEASE_PER_ROUND idle databases per round: with 1,000
+        databases the coordinator kept a connection to nearly every one for minutes (about 67 KiB each), and a
+        stop closed them all, each close a checkpoint."""
+        self._to_release.add(database)
+        if self._releasing is None and not self._closing:
+            self._releasing = self.loop.create_task(self._release_opened(), name="release opened databases")
+            self._tasks.append(self._releasing)
+
+    async def _release_opened(self) -> None:
+        try:
+            while self._to_release and self.store is not None:
+                names, self._to_release = sorted(self._to_release), set()
+                await asyncio.to_thread(self.store.release, names)
+        except Exception as exc:  # a close that failed leaves the file open; the trim closes it later
+            log.warning("database_release_failed", error=repr(exc))
+        finally:
+            task, self._releasing = self._releasing, None
+            if task in self._tasks:  # not when the shutdown took the list to cancel it
+                self._tasks.remove(task)
 
     def database_regressed(self, database: str, floor: int) -> None:
         """The database's file went back in time, to `floor` (`Database.regress`): its recovery starts again."""
