@@ -62,9 +62,21 @@ class Ledger:
         or another node's that only it had kept, the deleter's copy gone before).
         `restored`: it was replaced by a backup, already in place: a marker the backup holds is not gone.
         `files_stay`: only the system database goes, the node's other files stay."""
+        keepers = [other for other in cluster if restored or files_stay or other is not node]
+        going = self.kept_only_by(cluster, node, restored=restored, files_stay=files_stay)
+        for deletion in going:
+            deletion.lost = True
+            self._forgotten(keepers, deletion)
+        return len(going)
+
+    def kept_only_by(
+        self, cluster: Cluster, node: SimNode, restored: bool = False, files_stay: bool = False
+    ) -> list[Deletion]:
+        """The deletions that would go with `node`'s system database (`lose_markers`, which takes them): no other
+        node holds the marker, and no file that stays took the floors."""
         others = [other.rows("system") for other in cluster if restored or other is not node]
         keepers = [other for other in cluster if restored or files_stay or other is not node]
-        lost = 0
+        going = []
         for deletion in self.deletions:
             if deletion.lost:
                 continue
@@ -75,10 +87,8 @@ class Ledger:
             # them, and applies them still.
             if any(deletion.floors.within(other.file_floors(deletion.database)) for other in keepers):
                 continue
-            deletion.lost = True
-            lost += 1
-            self._forgotten(keepers, deletion)
-        return lost
+            going.append(deletion)
+        return going
 
     def _forgotten(self, keepers: list[SimNode], deletion: Deletion) -> None:
         """A deletion forgotten before any other node had it: what it had removed on its own node and no node holds

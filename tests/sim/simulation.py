@@ -422,18 +422,25 @@ class Simulation:
         self.cluster.trace(f"{node.name} restarted")
         return True
 
-    def _only_healthy_copy(self, node: SimNode) -> bool:
+    def _only_healthy_copy(self, node: SimNode, files_stay: bool = False) -> bool:
         """Does `node` hold the only healthy copy of a row the nemesis damaged elsewhere, or the only copy of a newer
         version that superseded it (were that one lost, the damaged version would be the record's newest again)?
         Then losing its files would leave a damage no repair can undo (the data API answers 503 for that record
-        until it is written again), which the nemesis does not combine."""
-        return any(covers == [node] for covers in self._covers().values())
+        until it is written again), which the nemesis does not combine. A deletion whose marker only `node` keeps
+        goes with its system database (`files_stay`: its other files stay), and what it doomed is the record's
+        newest again: no cover (seed 96207: the only healthy copy of a damaged tombstone went with the wipe that
+        took the deletion covering it)."""
+        going = self.ledger.kept_only_by(self.cluster, node, files_stay=files_stay)
+        return any(covers == [node] for covers in self._covers(going=going).values())
 
-    def _covers(self, extra: DeletionFloors | None = None, database: str | None = None) -> dict[tuple, list[SimNode]]:
+    def _covers(
+        self, extra: DeletionFloors | None = None, database: str | None = None, going: list[Deletion] | None = None
+    ) -> dict[tuple, list[SimNode]]:
         """For every row the nemesis damaged that no deletion covers, the nodes that hold a healthy copy of it or a
         newer version of its record that no deletion covers either: a covered newer version goes with its database
         and gives way to the damaged one (`drop_through` restores the newest uncovered version, seed 51361).
-        `extra`: the floors of a deletion of `database` not asked for yet."""
+        `extra`: the floors of a deletion of `database` not asked for yet; `going`: deletions that a fault being
+        considered would take (they cover nothing)."""
         found: dict[tuple, list[SimNode]] = {}
         for damaged in sorted(self.damaged):
             holder, name, table, record_id, version, origin = damaged
@@ -441,7 +448,8 @@ class Simulation:
             if held is None or held[:2] != (version, origin):
                 self.damaged.discard(damaged)
                 continue  # replaced since
-            if self._doomed(name, origin, version, extra if name == database else None):
+            extra_here = extra if name == database else None
+            if self._doomed(name, origin, version, extra_here, going):
                 continue  # it goes with its database
             found[damaged] = [
                 other
@@ -449,13 +457,24 @@ class Simulation:
                 if other.name != holder
                 and (row := other.rows(name).get((table, record_id), (0, "", False)))[:2] >= (version, origin)
                 and (other.name, name, table, record_id, *row[:2]) not in self.damaged
-                and not self._doomed(name, row[1], row[0], extra if name == database else None)
+                and not self._doomed(name, row[1], row[0], extra_here, going)
             ]
         return found
 
-    def _doomed(self, database: str, origin: str, version: int, extra: DeletionFloors | None = None) -> bool:
-        """Does a deletion of `database` whose marker lives cover (origin, version)?"""
-        floors = [each.floors for each in self.ledger.deletions if each.database == database and not each.lost]
+    def _doomed(
+        self,
+        database: str,
+        origin: str,
+        version: int,
+        extra: DeletionFloors | None = None,
+        going: list[Deletion] | None = None,
+    ) -> bool:
+        """Does a deletion of `database` whose marker lives (and is not `going`) cover (origin, version)?"""
+        floors = [
+            each.floors
+            for each in self.ledger.deletions
+            if each.database == database and not each.lost and not any(each is gone for gone in going or ())
+        ]
         return any(floor.covers(origin, version) for floor in [*floors, *([extra] if extra is not None else [])])
 
     def _wipe(self) -> bool:
@@ -477,7 +496,7 @@ class Simulation:
         down = [
             node
             for node in self.cluster
-            if not node.up and any(node.dir.glob("*.sqlite")) and not self._only_healthy_copy(node)
+            if not node.up and any(node.dir.glob("*.sqlite")) and not self._only_healthy_copy(node, files_stay=True)
         ]
         if not down:
             return False
