@@ -319,9 +319,10 @@ class Node:
                 # Created empty, it starts recovering: the peers serve it back.
                 self.store.database(damage.database, create=True)
             self.holds = set(self.store.names()) | {SYSTEM}
+            open_before = self.store.opened()
             for database in sorted(self.holds):
                 self.database_limit.held(database)
-                self._note_database(database)
+                self._note_database(database, open_before)
         except Exception as exc:
             raise BootError(f"cannot open the store in {directory}: {exc}") from None
         self._adopt_introductions(system)
@@ -790,9 +791,11 @@ class Node:
 
     # -- recovery of a lost database ---------------------------------------------------------------------------
 
-    def _note_database(self, database: str) -> None:
+    def _note_database(self, database: str, open_before: set[str] | None = None) -> None:
+        """Begin the recovery of `database` if its file is recovering. `open_before`: what the store had open before
+        (at boot, read once for every database), else read now."""
         assert self.store is not None
-        opened = database not in self.store.opened()
+        opened = database not in (self.store.opened() if open_before is None else open_before)
         try:
             recovering = self.store.database(database).recovering
         except UnknownDatabase:

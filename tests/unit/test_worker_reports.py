@@ -44,6 +44,13 @@ async def pipe() -> AsyncIterator[Pipe]:
     coordinator_writer.close()
 
 
+async def _next_turn() -> None:
+    """Until the loop has run what was scheduled before now (the reports' flush among it)."""
+    turned = asyncio.get_running_loop().create_future()
+    asyncio.get_running_loop().call_soon(turned.set_result, None)
+    await turned
+
+
 def _disconnected(n: int) -> messages.Disconnected:
     return messages.Disconnected(key="b", database=f"d{n}", worker=0, session=n, error="", reconnect_in=None)
 
@@ -53,13 +60,13 @@ async def test_what_one_turn_reports_goes_out_in_one_write_in_order(pipe: Pipe) 
         pipe.worker.report(_disconnected(n))
     assert pipe.writes == []  # nothing written within the turn
 
-    await asyncio.sleep(0)
+    await _next_turn()
     assert len(pipe.writes) == 1
     got = [await messages.read_to_coordinator(pipe.coordinator) for _ in range(1000)]
     assert got == [_disconnected(n) for n in range(1000)]
 
     pipe.worker.report(_disconnected(1000))  # a later turn: a write of its own
-    await asyncio.sleep(0)
+    await _next_turn()
     assert len(pipe.writes) == 2
     assert await messages.read_to_coordinator(pipe.coordinator) == _disconnected(1000)
 
